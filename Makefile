@@ -1,0 +1,28 @@
+# Two commands matter: `make demo` and `make test`. Both set up .venv first (pinned, offline-safe).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR := artifacts/demo
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py --workdir $(DEMO_DIR)
+
+test: setup
+	$(PY) -m pytest -n 2 -q
+
+bench: setup
+	$(PY) benchmarks/convert.py
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache

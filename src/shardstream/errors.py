@@ -1,0 +1,50 @@
+"""Every error shardstream raises on purpose.
+
+Each class is also a builtin exception, so callers can catch `ValueError` or `OSError` without
+knowing ours. Messages are one sentence that names the file or field and says what to do; the CLI
+prints them without a traceback.
+"""
+
+
+class ShardstreamError(Exception):
+    """Base class: a user-facing problem with a message that says what to do."""
+
+
+class SourceNotFound(ShardstreamError, FileNotFoundError):
+    """The checkpoint source (folder, URL, Hub id) or one of its files does not exist."""
+
+
+class SourceUnreachable(ShardstreamError, ConnectionError):
+    """A remote source or peer could not be reached."""
+
+
+class CorruptShard(ShardstreamError, ValueError):
+    """A checkpoint shard is truncated, malformed or does not match its index."""
+
+
+class UntrustedPath(ShardstreamError, ValueError):
+    """An index or manifest names a file outside its folder (absolute path or '..')."""
+
+
+class UnsupportedModel(ShardstreamError, ValueError):
+    """The model's architecture or tensors cannot be handled."""
+
+
+class StoreCorrupt(ShardstreamError, ValueError):
+    """A store file or the manifest fails its checksum or its header checks."""
+
+
+class StoreIncomplete(ShardstreamError, FileNotFoundError):
+    """The store lacks a manifest, a part or a file that the manifest names."""
+
+
+class PartNotFound(ShardstreamError, LookupError):
+    """A part name that the store does not have."""
+
+
+class DiskSpaceError(ShardstreamError, OSError):
+    """Not enough free disk space to finish the job."""
+
+
+class InvalidOption(ShardstreamError, ValueError):
+    """An option or argument with a value that cannot work."""
