@@ -1,0 +1,140 @@
+"""The `shardstream` command. Thin: parse options, call the modules, print results.
+
+User mistakes (our ShardstreamError classes) print one red sentence and exit 1, no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import InvalidOption, ShardstreamError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run and train large language models on hardware too small for them.")
+console = Console()
+err_console = Console(stderr=True)
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "T": 10**12, "TB": 10**12}
+
+
+def parse_size(text: str, option: str) -> int:
+    """'1GB', '500M', '2GiB' or a plain byte count."""
+    cleaned = text.strip().upper().replace(" ", "")
+    number = cleaned.rstrip("KMGTIB")
+    unit = cleaned[len(number):]
+    try:
+        return int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise InvalidOption(f"{option} takes a size such as 1GB, 500MB or 2GiB, not {text!r}.") from None
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(name)s: %(message)s", stream=sys.stderr)
+    warnings.simplefilter("default")
+    logging.captureWarnings(True)
+
+
+@app.command()
+def convert(
+    source: Annotated[str, typer.Argument(help="Local folder, HTTP(S) base URL, or Hub id (org/name).")],
+    out: Annotated[Path, typer.Argument(help="Output store folder.")],
+    sequential: Annotated[bool, typer.Option("--sequential", help="One shard at a time; deletes each source shard after use.")] = False,
+    compression: Annotated[str, typer.Option(help="none, 4bit (NF4) or 8bit.")] = "none",
+    delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
+    min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
+    layer_memory_warning: Annotated[Optional[str], typer.Option(help="Warn when one buffered layer exceeds this size.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token.", envvar="HF_TOKEN")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each shard and part.")] = False,
+) -> None:
+    """Convert a Hugging Face checkpoint into a per-layer store."""
+    from .convert import convert as run_convert
+
+    _logging(verbose)
+    report = run_convert(
+        source, out,
+        sequential_shard_processing=sequential,
+        compression=None if compression.lower() == "none" else compression.lower(),
+        delete_original=delete_original,
+        profiling_mode=profile,
+        min_free_space=parse_size(min_free_space, "--min-free-space"),
+        layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
+        token=token, revision=revision, progress=progress,
+    )
+    console.print(report.summary())
+
+
+@app.command()
+def inspect(store: Annotated[Path, typer.Argument(help="Store folder.")]) -> None:
+    """List a store's parts: tensors, dtypes, bytes, quantization."""
+    from .store import open_store
+
+    opened = open_store(store, allow_incomplete=True)
+    manifest = opened.manifest
+    console.print(
+        f"[bold]{store}[/bold]  model_type={manifest.config.get('model_type')}  family={manifest.family}  "
+        f"compression={manifest.compression or 'none'}  format={manifest.format_version}  "
+        f"{'complete' if manifest.complete else '[red]incomplete[/red]'}"
+    )
+    table = Table("part", "tensors", "dtypes", "bytes", "quantization", "files")
+    for part in opened.parts:
+        record = manifest.parts[part]
+        tensors = [manifest.tensors[n] for n in record.tensors]
+        dtypes = sorted({(t.quant or {}).get("dtype") or t.dtype for t in tensors})
+        quants = sorted({t.quant["method"] for t in tensors if t.quant})
+        tied = [n for n, a in manifest.aliases.items() if a["part"] == part]
+        count = f"{len(tensors)}" + (f" (+{len(tied)} tied)" if tied else "")
+        table.add_row(part, count, ",".join(dtypes), f"{record.nbytes:,}", ",".join(quants) or "-", str(len(record.files)))
+    console.print(table)
+    missing = [p for p in manifest.expected_parts if p not in manifest.parts]
+    if missing:
+        console.print(f"[red]{len(missing)} parts not written yet[/red] (first: {missing[0]}); re-run the convert command.")
+
+
+@app.command()
+def verify(
+    store: Annotated[Path, typer.Argument(help="Store folder.")],
+    parts: Annotated[Optional[str], typer.Option(help="Comma-separated part paths to check, e.g. mid/3,end.")] = None,
+) -> None:
+    """Re-hash every file against the manifest; exit 1 naming any bad file."""
+    import time
+
+    from .store import verify_store
+
+    started = time.perf_counter()
+    hashed, problems = verify_store(store, parts.split(",") if parts else None)
+    seconds = time.perf_counter() - started
+    for problem in problems:
+        err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]")
+    if problems:
+        err_console.print("Re-run `shardstream convert` with the same arguments to repair the store.")
+        raise typer.Exit(1)
+    console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+
+
+def main() -> None:
+    """Console entry point: our errors become one line on stderr and exit code 1."""
+    try:
+        app()
+    except ShardstreamError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err_console.print("interrupted; re-run the same command to continue where it stopped.")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Turn a Hugging Face checkpoint into a layer store, shard by shard.
+
+Plain mode (the default) fetches every shard first, then routes tensors to parts. Sequential mode
+fetches one shard, routes its tensors, writes every part it completes, writes what it holds of
+still-incomplete parts as a piece file, and deletes the shard before fetching the next: peak disk
+is one shard plus the output, and a kill at any point loses nothing that was deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm.auto import tqdm
+
+from .errors import CorruptShard, DiskSpaceError, InvalidOption
+from .naming import TensorRouter, router_for
+from .safetensors_header import Header, HeaderError, read_header
+from .sources import CheckpointSource, open_source
+from .sources.remote import RemoteSource
+from .store import MANIFEST_NAME, Manifest, StoreWriter
+from .store.atomic import write_json_atomic
+from .store.dtypes import TORCH_DTYPES
+
+log = logging.getLogger("shardstream.convert")
+
+COMPRESSIONS = (None, "4bit", "8bit")
+DEFAULT_MIN_FREE_BYTES = 1_000_000_000
+STAGING_DIR = ".staging"
+PROFILE_FILE = "convert_profile.json"
+
+
+@dataclass
+class PartProfile:
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    quantize_seconds: float = 0.0
+    write_seconds: float = 0.0
+    bytes_written: int = 0
+
+
+@dataclass
+class ConvertReport:
+    store: Path
+    parts_written: list[str]
+    parts_skipped: list[str]
+    bytes_written: int
+    seconds: float
+    profile: dict[str, PartProfile] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        mb = self.bytes_written / 1e6
+        rate = mb / self.seconds if self.seconds else 0.0
+        return (
+            f"{len(self.parts_written)} parts written, {len(self.parts_skipped)} already complete; "
+            f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s) -> {self.store}"
+        )
+
+
+@dataclass
+class Plan:
+    """What goes where: the index parsed into the maps the sequential algorithm needs."""
+
+    router: TensorRouter
+    weight_map: dict[str, str]               # tensor -> shard (the tied head left out)
+    part_of: dict[str, str]                  # tensor -> part path
+    expert_of: dict[str, int]                # tensor -> expert id (MoE, per-expert names)
+    part_tensors: dict[str, set[str]]        # part -> tensors it needs
+    part_shards: dict[str, set[str]]         # part -> shards holding them
+    expected_parts: list[str]
+    tied: tuple[str, str, str] | None        # (head name, embedding name, head's part)
+
+
+def make_plan(config: dict, weight_map: dict[str, str]) -> Plan:
+    router = router_for(config, weight_map)
+    tied = None
+    head_embed = router.tied_head()
+    names = dict(weight_map)
+    if head_embed and head_embed[1] in names:
+        head, embed = head_embed
+        tied = (head, embed, router.route(head).part.path)
+        names.pop(head, None)
+    part_of, expert_of = {}, {}
+    part_tensors: dict[str, set[str]] = defaultdict(set)
+    part_shards: dict[str, set[str]] = defaultdict(set)
+    for name, shard in names.items():
+        route = router.route(name)
+        part_of[name] = route.part.path
+        if route.expert is not None:
+            expert_of[name] = route.expert
+        part_tensors[route.part.path].add(name)
+        part_shards[route.part.path].add(shard)
+    expected = [p.path for p in router.parts()]
+    if tied and tied[2] not in expected:
+        expected.append(tied[2])
+    for part in expected:
+        part_tensors.setdefault(part, set())
+    return Plan(router, names, part_of, expert_of, dict(part_tensors), dict(part_shards), expected, tied)
+
+
+def convert(
+    source: str | Path,
+    out: str | Path,
+    *,
+    sequential_shard_processing: bool = False,
+    compression: str | None = None,
+    delete_original: bool = False,
+    profiling_mode: bool = False,
+    min_free_space: int = DEFAULT_MIN_FREE_BYTES,
+    layer_memory_warning: int | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    progress: bool = True,
+) -> ConvertReport:
+    """Convert `source` (local folder, HTTP base URL or Hub id) into the store at `out`.
+
+    Re-running the same call after an interruption finishes the job; parts already written and
+    intact are skipped. See README "Sequential conversion" for what gets deleted when.
+    """
+    if compression not in COMPRESSIONS:
+        raise InvalidOption(f"compression must be one of 4bit, 8bit or none, not {compression!r}.")
+    started = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = open_source(source, out / STAGING_DIR, token=token, revision=revision, progress=progress)
+    config = src.config()
+    plan = make_plan(config, src.weight_map())
+    fresh = Manifest(
+        source=str(source), config=config, family=plan.router.family,
+        compression=compression, expected_parts=plan.expected_parts,
+    )
+    writer = StoreWriter.open(out, fresh)
+    src.copy_metadata(out)
+    job = _Job(src, plan, writer, sequential_shard_processing, min_free_space,
+               layer_memory_warning or _default_layer_warning(), progress)
+    job.run()
+    if plan.tied:
+        head, embed, part = plan.tied
+        writer.add_alias(head, embed, part)
+    writer.finish()
+    if delete_original:
+        for shard in src.shard_names():
+            src.release(shard, delete=True)
+        src.delete_remaining()
+    shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+    report = ConvertReport(out, job.written, job.skipped, job.bytes_written,
+                           time.perf_counter() - started, job.profile)
+    if profiling_mode:
+        write_json_atomic(out / PROFILE_FILE, _profile_json(report))
+        print(profile_table(report))
+    log.info(report.summary())
+    return report
+
+
+def _default_layer_warning() -> int:
+    return psutil.virtual_memory().available // 4
+
+
+class _Job:
+    """The shard loop, with its buffers; one instance per convert() call."""
+
+    def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
+                 min_free_space: int, layer_warning: int, progress: bool):
+        self.src, self.plan, self.writer = src, plan, writer
+        self.sequential = sequential
+        self.min_free_space = min_free_space
+        self.layer_warning = layer_warning
+        self.progress = progress
+        self.buffer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.warned_parts: set[str] = set()
+        self.written: list[str] = []
+        self.skipped = sorted(writer.manifest.parts)
+        self.bytes_written = 0
+        self.profile: dict[str, PartProfile] = defaultdict(PartProfile)
+
+    def run(self) -> None:
+        shards = self.src.shard_names()
+        stored = self.writer.stored_tensors()
+        todo = [s for s in shards if self._needed(s, stored)]
+        for shard in shards:
+            if shard not in todo and self.sequential:
+                self.src.release(shard, delete=True)   # processed by an interrupted run
+        bar = tqdm(total=len(todo), unit="shard", disable=not self.progress, desc="convert")
+        if not self.sequential:
+            fetched = {s: self._fetch(s, todo.index(s)) for s in todo}
+        for index, shard in enumerate(todo):
+            path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
+            self._process(shard, path, wait, stored, index, last=index == len(todo) - 1)
+            if self.sequential:
+                self.src.release(shard, delete=True)
+                log.info("released shard %s", shard)
+            bar.update(1)
+        bar.close()
+        if not self.sequential:
+            for shard in todo:
+                self.src.release(shard, delete=False)
+        self._safeguard()
+
+    def _needed(self, shard: str, stored: set[str]) -> bool:
+        complete = self.writer.manifest.parts
+        return any(
+            s == shard and self.plan.part_of[n] not in complete and n not in stored
+            for n, s in self.plan.weight_map.items()
+        )
+
+    def _fetch(self, shard: str, index: int) -> tuple[Path, float]:
+        self._check_disk(shard, index)
+        started = time.perf_counter()
+        path = self.src.fetch(shard)
+        return path, time.perf_counter() - started
+
+    def _check_disk(self, shard: str, index: int) -> None:
+        """Abort before the disk fills; warn when what remains would leave less than the threshold."""
+        free = shutil.disk_usage(self.writer.root).free
+        shard_bytes = self.src.shard_size(shard) or 0
+        remote = isinstance(self.src, RemoteSource)
+        ratio = _compression_ratio(self.writer.manifest.compression)
+        manifest = self.writer.root / MANIFEST_NAME
+        manifest_bytes = manifest.stat().st_size if manifest.exists() else 0
+        # the shard (when downloaded), what it turns into, and the manifest rewritten beside itself
+        next_step = (shard_bytes if remote else 0) + int(shard_bytes * ratio) + 2 * manifest_bytes + 65536
+        remaining = sum(self.src.shard_size(s) or 0 for s in self.src.shard_names()[index:])
+        if free < next_step:
+            raise DiskSpaceError(
+                f"only {free / 1e9:.2f} GB free in {self.writer.root} but the next shard {shard} "
+                f"needs about {next_step / 1e9:.2f} GB; free some space and re-run (finished parts are kept)."
+            )
+        if free - int(remaining * ratio) < self.min_free_space:
+            warnings.warn(
+                f"low disk space in {self.writer.root}: {free / 1e9:.2f} GB free, about "
+                f"{remaining * ratio / 1e9:.2f} GB still to write (threshold "
+                f"{self.min_free_space / 1e9:.2f} GB).",
+                stacklevel=2,
+            )
+
+    def _process(self, shard: str, path: Path, wait: float, stored: set[str], index: int, last: bool) -> None:
+        try:
+            header = read_header(path)
+        except HeaderError as exc:
+            raise CorruptShard(
+                f"shard {shard} is corrupt ({exc}); delete it and download the checkpoint again."
+            ) from None
+        wanted = [n for n, s in self.plan.weight_map.items()
+                  if s == shard and n not in stored and self.plan.part_of[n] not in self.writer.manifest.parts]
+        touched = set()
+        for name, tensor, seconds in _read_tensors(path, header, wanted):
+            part = self.plan.part_of[name]
+            self.buffer[part][name] = tensor
+            self.profile[part].read_seconds += seconds
+            touched.add(part)
+        for part in touched:
+            self.profile[part].wait_seconds += wait
+            self._warn_if_large(part)
+        for part in sorted(touched, key=self.plan.expected_parts.index):
+            if self._complete(part, stored):
+                self._write(part, piece=index if self._has_pieces(part) else None, complete=True)
+        if self.sequential and not last:
+            for part in sorted(self.buffer, key=self.plan.expected_parts.index):
+                self._write(part, piece=index, complete=False)
+                stored.update(self.writer.manifest.tensors)
+        log.info("processed shard %s", shard)
+
+    def _complete(self, part: str, stored: set[str]) -> bool:
+        have = set(self.buffer.get(part, ())) | stored
+        return self.plan.part_tensors[part] <= have
+
+    def _has_pieces(self, part: str) -> bool:
+        return any(r.part == part for r in self.writer.manifest.tensors.values())
+
+    def _write(self, part: str, piece: int | None, complete: bool) -> None:
+        tensors = self.buffer.pop(part, {})
+        experts = {n: self.plan.expert_of[n] for n in tensors if n in self.plan.expert_of}
+        timings = self.writer.write(part, tensors, experts, piece, complete)
+        profile = self.profile[part]
+        profile.quantize_seconds += timings.quantize_seconds
+        profile.write_seconds += timings.write_seconds
+        profile.bytes_written += timings.nbytes
+        self.bytes_written += timings.nbytes
+        if complete:
+            self.written.append(part)
+            log.info("wrote part %s", part)
+        else:
+            log.info("wrote piece %d of part %s", piece, part)
+
+    def _warn_if_large(self, part: str) -> None:
+        size = sum(t.numel() * t.element_size() for t in self.buffer[part].values())
+        if size > self.layer_warning and part not in self.warned_parts:
+            self.warned_parts.add(part)
+            warnings.warn(
+                f"part {part} holds {size / 1e9:.2f} GB in memory while it waits for its other "
+                f"shards (warning threshold {self.layer_warning / 1e9:.2f} GB).",
+                stacklevel=2,
+            )
+
+    def _safeguard(self) -> None:
+        """Final pass: every expected part must be complete; write any the loop left behind."""
+        stored = self.writer.stored_tensors()
+        for part in self.plan.expected_parts:
+            if part in self.writer.manifest.parts:
+                continue
+            if self._complete(part, stored):
+                self._write(part, piece=None if not self._has_pieces(part) else len(self.src.shard_names()),
+                            complete=True)
+                continue
+            lacking = sorted(self.plan.part_tensors[part] - stored - set(self.buffer.get(part, ())))
+            shards = sorted({self.plan.weight_map[n] for n in lacking})
+            raise CorruptShard(
+                f"part {part} cannot be completed: {len(lacking)} tensors (e.g. {lacking[0]!r}) are in "
+                f"{', '.join(shards)}, which is no longer available; restore it and re-run."
+            )
+
+
+def _read_tensors(path: Path, header: Header, names: list[str]):
+    """Read the named tensors one by one into their own memory (no mmap lingers on the file)."""
+    entries = sorted((header.tensors[n] for n in names), key=lambda e: e.begin)
+    with open(path, "rb", buffering=0) as handle:
+        for entry in entries:
+            started = time.perf_counter()
+            buffer = bytearray(entry.nbytes)
+            handle.seek(header.data_start + entry.begin)
+            if handle.readinto(buffer) != entry.nbytes:
+                raise CorruptShard(f"shard {path.name} ended early inside {entry.name!r}; download it again.")
+            dtype = TORCH_DTYPES[entry.dtype]
+            if entry.nbytes:
+                tensor = torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
+            else:
+                tensor = torch.empty(entry.shape, dtype=dtype)
+            yield entry.name, tensor, time.perf_counter() - started
+
+
+def _compression_ratio(compression: str | None) -> float:
+    """Output bytes per input byte, assuming 16-bit weights (a safe upper estimate for fp32)."""
+    if compression is None:
+        return 1.0
+    bits, blocksize = {"4bit": (4, 64), "8bit": (8, 256)}[compression]
+    return bits / 16 + 4 / (blocksize * 2)
+
+
+def profile_table(report: ConvertReport) -> str:
+    rows = ["part        read s   wait s  quant s  write s       MB"]
+    total = PartProfile()
+    for part, p in report.profile.items():
+        rows.append(f"{part:<10} {p.read_seconds:7.3f} {p.wait_seconds:8.3f} {p.quantize_seconds:8.3f} "
+                    f"{p.write_seconds:8.3f} {p.bytes_written / 1e6:8.2f}")
+        for key in ("read_seconds", "wait_seconds", "quantize_seconds", "write_seconds", "bytes_written"):
+            setattr(total, key, getattr(total, key) + getattr(p, key))
+    rows.append(f"{'total':<10} {total.read_seconds:7.3f} {total.wait_seconds:8.3f} "
+                f"{total.quantize_seconds:8.3f} {total.write_seconds:8.3f} {total.bytes_written / 1e6:8.2f}")
+    rows.append(report.summary())
+    return "\n".join(rows)
+
+
+def _profile_json(report: ConvertReport) -> dict:
+    return {
+        "seconds": report.seconds,
+        "bytes_written": report.bytes_written,
+        "parts": {p: vars(v) for p, v in report.profile.items()},
+    }
+
+
+__all__ = ["ConvertReport", "convert", "make_plan", "profile_table"]

@@ -1,0 +1,140 @@
+"""Reading a store: list its parts and load any one of them without touching the others."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import PartNotFound, StoreCorrupt, StoreIncomplete
+from .checksum import checksum_bytes
+from .manifest import Manifest, TensorRecord, load_manifest
+from .partfile import decode_tensor
+
+
+class Store:
+    """A layer store on disk. `load(part)` reads exactly that part's file (plus tied tensors)."""
+
+    def __init__(self, root: Path, manifest: Manifest):
+        self.root = Path(root)
+        self.manifest = manifest
+
+    @property
+    def config(self) -> dict:
+        return self.manifest.config
+
+    @property
+    def parts(self) -> list[str]:
+        return self.manifest.ordered_parts()
+
+    @property
+    def num_layers(self) -> int:
+        return sum(1 for p in self.manifest.expected_parts if p.startswith("mid/"))
+
+    def part_nbytes(self, part: str) -> int:
+        return self._part(part).nbytes
+
+    def tensor_names(self, part: str) -> list[str]:
+        """Names a load of this part returns, tied aliases included."""
+        own = self._part(part).tensors
+        tied = [n for n, a in self.manifest.aliases.items() if a["part"] == part]
+        return sorted(own + tied)
+
+    def read_file(self, name: str, verify: bool = False) -> bytearray:
+        """The whole of one store file, checked against its size (and checksum when asked)."""
+        path = self.root / name
+        record = self.manifest.files[name]
+        try:
+            with open(path, "rb", buffering=0) as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size != record.size:
+                    raise StoreCorrupt(
+                        f"{path} is {size} bytes but the manifest says {record.size}; run "
+                        "`shardstream verify` and re-run `shardstream convert` to repair the store."
+                    )
+                buffer = bytearray(size)
+                view = memoryview(buffer)
+                done = 0
+                while done < size:
+                    n = handle.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+        except FileNotFoundError:
+            raise StoreIncomplete(
+                f"{path} is missing; re-run `shardstream convert` to repair the store."
+            ) from None
+        if verify and checksum_bytes(buffer) != record.xxh3_128:
+            raise StoreCorrupt(
+                f"{path} fails its checksum; re-run `shardstream convert` to repair the store."
+            )
+        return buffer
+
+    def read_tensor_bytes(self, record: TensorRecord) -> bytearray:
+        """Only the bytes of one stored tensor (and its scales), for reading a single tensor."""
+        path = self.root / record.file
+        spans = [(record.offset, record.length)]
+        if record.quant:
+            spans.append((record.quant["absmax"]["offset"], record.quant["absmax"]["length"]))
+        begin = min(o for o, _ in spans)
+        end = max(o + n for o, n in spans)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(begin)
+                data = bytearray(handle.read(end - begin))
+        except FileNotFoundError:
+            raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.") from None
+        if len(data) != end - begin:
+            raise StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert`.")
+        return data
+
+    def load_tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """One tensor by name (an alias resolves to its target), reading only its bytes."""
+        target = self.manifest.aliases.get(name, {}).get("target", name)
+        record = self.manifest.tensors.get(target)
+        if record is None:
+            raise PartNotFound(f"the store at {self.root} has no tensor named {name!r}.")
+        data = self.read_tensor_bytes(record)
+        base = min(record.offset, record.quant["absmax"]["offset"]) if record.quant else record.offset
+        return decode_tensor(data, base, record).to(device)
+
+    def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False) -> dict[str, torch.Tensor]:
+        """All tensors of one part, dequantized, on `device`; tied tensors included."""
+        record = self._part(part)
+        tensors: dict[str, torch.Tensor] = {}
+        for file_name in record.files:
+            buffer = self.read_file(file_name, verify=verify)
+            for name in record.tensors:
+                meta = self.manifest.tensors[name]
+                if meta.file == file_name:
+                    tensors[name] = decode_tensor(buffer, 0, meta)
+        for alias, info in self.manifest.aliases.items():
+            if info["part"] == part:
+                tensors[alias] = self.load_tensor(info["target"])
+        if torch.device(device).type != "cpu":
+            tensors = {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
+        return tensors
+
+    def _part(self, part: str):
+        try:
+            return self.manifest.parts[part]
+        except KeyError:
+            known = ", ".join(self.parts[:4]) + (" ..." if len(self.parts) > 4 else "")
+            raise PartNotFound(
+                f"the store at {self.root} has no part {part!r} (it has: {known}); run `shardstream inspect` to list them."
+            ) from None
+
+
+def open_store(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Store:
+    """Open a store folder; an unfinished conversion is refused unless `allow_incomplete`."""
+    root = Path(path)
+    if not root.is_dir():
+        raise StoreIncomplete(f"{root} is not a folder; give the output folder of `shardstream convert`.")
+    manifest = load_manifest(root)
+    if not manifest.complete and not allow_incomplete:
+        raise StoreIncomplete(
+            f"the store at {root} is incomplete (conversion was interrupted); re-run the same "
+            "`shardstream convert` command to finish it."
+        )
+    return Store(root, manifest)

@@ -1,0 +1,119 @@
+"""Writing a store part by part, so that an interrupted run resumes where it stopped.
+
+A part is written as one file, or, when its tensors come from several source shards that are
+deleted as they go, as one file per shard ("pieces"). A file counts only once it was renamed
+into place, read back with a matching checksum, and recorded in the manifest; a part is complete
+when the manifest lists it under `parts`. Re-running keeps every file that still passes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidOption
+from .atomic import discard_temp_files, write_bytes_atomic
+from .checksum import checksum_bytes, checksum_file
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
+from .partfile import encode_part
+
+PART_FILE = "weights.safetensors"
+
+
+def part_file(part: str, piece: int | None = None) -> str:
+    """The file (relative to the store root) holding a part, or one piece of it."""
+    return f"{part}/{PART_FILE}" if piece is None else f"{part}/weights-{piece:05d}.safetensors"
+
+
+@dataclass
+class WriteTimings:
+    quantize_seconds: float
+    write_seconds: float
+    nbytes: int
+
+
+class StoreWriter:
+    def __init__(self, root: Path, manifest: Manifest):
+        self.root = Path(root)
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, root: Path, fresh: Manifest) -> "StoreWriter":
+        """Start a store, or resume one begun with the same settings, keeping only files that pass."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        discard_temp_files(root)
+        if not (root / MANIFEST_NAME).exists():
+            return cls(root, fresh)
+        existing = load_manifest(root)
+        mine = (fresh.config, fresh.compression, fresh.expected_parts)
+        theirs = (existing.config, existing.compression, existing.expected_parts)
+        if mine != theirs:
+            raise InvalidOption(
+                f"{root} already holds a store of another model or compression; choose another "
+                "output folder or delete that one."
+            )
+        writer = cls(root, existing)
+        writer._drop_invalid_files()
+        return writer
+
+    def _drop_invalid_files(self) -> None:
+        manifest = self.manifest
+        bad = {name for name, record in manifest.files.items() if not self._file_matches(name, record)}
+        if not bad:
+            return
+        manifest.files = {n: r for n, r in manifest.files.items() if n not in bad}
+        manifest.tensors = {n: r for n, r in manifest.tensors.items() if r.file not in bad}
+        manifest.parts = {p: r for p, r in manifest.parts.items() if not bad & set(r.files)}
+        manifest.complete = False
+        manifest.save(self.root)
+
+    def _file_matches(self, name: str, record: FileRecord) -> bool:
+        path = self.root / name
+        return path.is_file() and path.stat().st_size == record.size and checksum_file(path) == record.xxh3_128
+
+    def stored_tensors(self) -> set[str]:
+        """Tensors already durably written (in complete parts or in pieces of incomplete ones)."""
+        return set(self.manifest.tensors)
+
+    def write(self, part: str, tensors: dict[str, torch.Tensor], experts: dict[str, int],
+              piece: int | None, complete: bool) -> WriteTimings:
+        """Encode, write atomically, read back, record; mark the part complete when told."""
+        started = time.perf_counter()
+        encoded = encode_part(tensors, self.manifest.compression)
+        name = part_file(part, piece)
+        path = self.root / name
+        write_bytes_atomic(path, encoded.data)
+        digest = checksum_bytes(encoded.data)
+        if checksum_file(path) != digest:
+            raise OSError(f"{path} reads back different from what was written; check the disk and re-run.")
+        self.manifest.files[name] = FileRecord(size=len(encoded.data), xxh3_128=digest)
+        for tensor_name, fields in encoded.records.items():
+            self.manifest.tensors[tensor_name] = TensorRecord(
+                part=part, file=name, expert=experts.get(tensor_name), **fields
+            )
+        if complete:
+            self._mark_complete(part)
+        self.manifest.save(self.root)
+        elapsed = time.perf_counter() - started
+        return WriteTimings(encoded.quantize_seconds, elapsed - encoded.quantize_seconds, len(encoded.data))
+
+    def _mark_complete(self, part: str) -> None:
+        names = sorted(n for n, r in self.manifest.tensors.items() if r.part == part)
+        files = sorted({self.manifest.tensors[n].file for n in names}) or [part_file(part)]
+        nbytes = sum(self.manifest.files[f].size for f in files if f in self.manifest.files)
+        self.manifest.parts[part] = PartRecord(files=files, tensors=names, nbytes=nbytes)
+
+    def add_alias(self, name: str, target: str, part: str) -> None:
+        """Record a tied tensor (e.g. the LM head that is the embedding) without storing it twice."""
+        self.manifest.aliases[name] = {"target": target, "part": part}
+
+    def finish(self) -> Manifest:
+        missing = [p for p in self.manifest.expected_parts if p not in self.manifest.parts]
+        assert not missing, f"finish() called with parts missing: {missing}"
+        self.manifest.complete = True
+        self.manifest.save(self.root)
+        return self.manifest

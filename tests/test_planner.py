@@ -1,0 +1,256 @@
+"""The planner against brute force on random small instances, plus the cases users will hit."""
+
+import json
+import math
+import random
+import time
+from itertools import combinations
+
+import pytest
+
+from shardstream.errors import InvalidOption, PlanInfeasible
+from shardstream.pipeline.planner import (
+    Device,
+    LayerCost,
+    Link,
+    ModelCost,
+    Plan,
+    PlanOptions,
+    format_bytes,
+    plan,
+)
+
+FREE = Link(latency_s=0.0, bandwidth_bytes_per_s=1e30)
+GIB = 1024**3
+
+
+def evaluate(model, devices, options, spans):
+    """(stage times, largest overflow) of stages spans = [(device, first, end)], from scratch."""
+    times, overflow = [], -math.inf
+    for k, (device, first, end) in enumerate(spans):
+        blocks = model.layers[first:end]
+        memory = device.overhead_bytes + sum(
+            b.weight_bytes + b.kv_bytes_per_token * options.context_length for b in blocks
+        )
+        flops = sum(b.flops_per_token for b in blocks)
+        memory += model.start_bytes if k == 0 else 0
+        if k == len(spans) - 1:
+            memory += model.end_bytes
+            flops += model.end_flops_per_token
+            hop = 0.0
+        else:
+            link = options.links.get((device.name, spans[k + 1][0].name), options.default_link)
+            hop = link.latency_s + model.activation_bytes_per_token / link.bandwidth_bytes_per_s
+        overflow = max(overflow, memory - device.memory_budget_bytes)
+        times.append(flops / (device.gflops * 1e9) + hop)
+    return times, overflow
+
+
+def brute_force(model, devices, options):
+    """Best latency, best throughput and least overflow over every split, by enumeration."""
+    n = len(model.layers)
+    order = [next(d for d in devices if d.name == name) for name in options.pipeline_order]
+    best = {"latency": math.inf, "throughput": math.inf}
+    least_overflow = math.inf
+    for k in range(1, min(n, len(order)) + 1):
+        for used in combinations(order, k):
+            for cuts in combinations(range(1, n), k - 1):
+                bounds = [0, *cuts, n]
+                if bounds[1] < options.min_prefix:
+                    continue
+                spans = list(zip(used, bounds, bounds[1:]))
+                times, overflow = evaluate(model, devices, options, spans)
+                least_overflow = min(least_overflow, overflow)
+                if overflow <= 0:
+                    best["latency"] = min(best["latency"], sum(times))
+                    best["throughput"] = min(best["throughput"], max(times))
+    return best, least_overflow
+
+
+def random_instance(rng):
+    n, count = rng.randint(1, 8), rng.randint(1, 4)
+    heavy = rng.random() < 0.5  # MoE-like: some blocks far heavier than others
+    layers = [
+        LayerCost(
+            weight_bytes=rng.randint(0, 20) * (rng.choice([1, 4]) if heavy else 1),
+            kv_bytes_per_token=rng.randint(0, 3),
+            flops_per_token=rng.uniform(0, 1e9) * (rng.choice([1, 8]) if heavy else 1),
+        )
+        for _ in range(n)
+    ]
+    model = ModelCost(
+        layers,
+        activation_bytes_per_token=rng.randint(1, 10**6),
+        start_bytes=rng.randint(0, 15),
+        end_bytes=rng.randint(0, 15),
+        end_flops_per_token=rng.uniform(0, 1e9),
+    )
+    devices = [
+        Device(f"dev{k}", rng.randint(0, 90), rng.uniform(0.5, 50), rng.randint(0, 5)) for k in range(count)
+    ]
+    names = [d.name for d in devices]
+    links = {
+        (a, b): Link(rng.uniform(0, 0.05), rng.uniform(1e6, 1e8))
+        for a in names
+        for b in names
+        if a != b and rng.random() < 0.5
+    }
+    options = PlanOptions(
+        context_length=rng.randint(0, 4),
+        pipeline_order=rng.sample(names, rng.randint(1, count)),
+        min_prefix=rng.randint(0, n) if rng.random() < 0.3 else 0,
+        links=links,
+        default_link=Link(rng.uniform(0, 0.01), rng.uniform(1e6, 1e9)),
+    )
+    return model, devices, options
+
+
+def check_plan(result, model, devices, options, optimum):
+    """The returned plan is valid and its value, recomputed from scratch, is the optimum."""
+    by_name = {d.name: d for d in devices}
+    spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+    assert [s.first_layer for s in result.stages][0] == 0
+    assert [s.last_layer_exclusive for s in result.stages][-1] == len(model.layers)
+    assert all(a.last_layer_exclusive == b.first_layer for a, b in zip(result.stages, result.stages[1:]))
+    positions = [options.pipeline_order.index(s.device) for s in result.stages]
+    assert positions == sorted(set(positions))
+    assert result.stages[0].last_layer_exclusive >= options.min_prefix
+    assert all(s.memory_bytes <= s.budget_bytes for s in result.stages)
+    times, overflow = evaluate(model, devices, options, spans)
+    assert overflow <= 0
+    assert [s.predicted_seconds_per_token for s in result.stages] == pytest.approx(times, rel=1e-9)
+    value = sum(times) if options.objective == "latency" else max(times)
+    assert result.objective_value == pytest.approx(value, rel=1e-9)
+    assert result.objective_value == pytest.approx(optimum, rel=1e-9)
+
+
+def test_matches_brute_force_on_random_instances():
+    rng = random.Random(20240601)
+    outcomes = {"feasible": 0, "infeasible": 0, "devices left out": 0, "several stages": 0}
+    for _ in range(1000):
+        model, devices, options = random_instance(rng)
+        best, least_overflow = brute_force(model, devices, options)
+        for objective in ("latency", "throughput"):
+            options.objective = objective
+            if least_overflow > 0:
+                with pytest.raises(PlanInfeasible) as caught:
+                    plan(model, devices, options)
+                assert f"overflows a device by {format_bytes(least_overflow)} (" in str(caught.value)
+                outcomes["infeasible"] += 1
+                continue
+            result = plan(model, devices, options)
+            check_plan(result, model, devices, options, best[objective])
+            outcomes["feasible"] += 1
+            outcomes["devices left out"] += len(result.stages) < len(options.pipeline_order)
+            outcomes["several stages"] += len(result.stages) > 1
+    assert min(outcomes.values()) > 200, outcomes  # every case is exercised, not just one
+
+
+def test_slow_device_in_the_middle_is_left_out():
+    model = ModelCost([LayerCost(10, 0, 1e9)] * 4, activation_bytes_per_token=1)
+    devices = [Device("a", 20, 100), Device("slow", 100, 1), Device("c", 20, 100)]
+    result = plan(model, devices, PlanOptions(context_length=0, default_link=FREE))
+    spans = [(s.device, s.first_layer, s.last_layer_exclusive) for s in result.stages]
+    assert spans == [("a", 0, 2), ("c", 2, 4)]
+
+
+def test_first_stage_holds_at_least_min_prefix_blocks():
+    model = ModelCost([LayerCost(10, 0, 1e9)] * 4, activation_bytes_per_token=1)
+    devices = [Device("fast-small", 10, 100), Device("slow-big", 100, 10)]
+    spans = {}
+    for min_prefix in (0, 1, 2, 4):
+        options = PlanOptions(context_length=0, min_prefix=min_prefix, default_link=FREE)
+        spans[min_prefix] = [(s.device, s.last_layer_exclusive) for s in plan(model, devices, options).stages]
+    assert spans[0] == spans[1] == [("fast-small", 1), ("slow-big", 4)]
+    assert spans[2] == spans[4] == [("slow-big", 4)]
+
+
+def test_throughput_balances_uneven_moe_blocks_by_flops():
+    flops = [1e9] * 6 + [6e9]  # the last block is a heavy MoE block
+    model = ModelCost([LayerCost(1, 0, f) for f in flops], activation_bytes_per_token=1)
+    devices = [Device("a", 100, 1), Device("b", 100, 1)]
+    result = plan(model, devices, PlanOptions(context_length=0, objective="throughput", default_link=FREE))
+    assert [s.last_layer_exclusive for s in result.stages] == [6, 7]
+    assert result.objective_value == pytest.approx(6.0)
+
+
+def test_kv_cache_and_extras_count_against_the_budget():
+    model = ModelCost(
+        [LayerCost(100, 10, 1e9)] * 2, activation_bytes_per_token=1, start_bytes=7, end_bytes=9
+    )
+    needed = 2 * (100 + 10 * 50) + 7 + 9 + 3
+    devices = [Device("only", needed, 1, overhead_bytes=3)]
+    assert plan(model, devices, PlanOptions(context_length=50)).stages[0].memory_bytes == needed
+    with pytest.raises(PlanInfeasible, match="overflows a device by 20 B "):
+        plan(model, devices, PlanOptions(context_length=51))
+
+
+def test_infeasible_says_how_much_memory_is_missing_and_what_to_do():
+    model = ModelCost([LayerCost(10 * GIB, 0, 1e9)] * 3, activation_bytes_per_token=1)
+    devices = [Device("a", 12 * GIB, 1), Device("b", 12 * GIB, 1)]
+    with pytest.raises(ValueError) as caught:
+        plan(model, devices, PlanOptions(context_length=0))
+    message = str(caught.value)
+    assert isinstance(caught.value, PlanInfeasible)
+    for part in ("by 8.00 GiB", "needs 30.00 GiB", "offer 24.00 GiB", "add devices", "--mem-fraction"):
+        assert part in message
+
+
+def test_plans_80_blocks_on_16_devices_within_100_ms():
+    rng = random.Random(7)
+    model = ModelCost(
+        [LayerCost(GIB, 2**17, 2e9 * rng.choice([1, 1, 4])) for _ in range(80)],
+        activation_bytes_per_token=16384,
+        start_bytes=GIB,
+        end_bytes=GIB,
+        end_flops_per_token=2e9,
+    )
+    devices = [Device(f"d{k}", 1000 * GIB, rng.uniform(10, 200), GIB) for k in range(16)]
+    for objective in ("latency", "throughput"):
+        options = PlanOptions(context_length=4096, objective=objective)
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            plan(model, devices, options)
+            runs.append(time.perf_counter() - start)
+        assert min(runs) < 0.1, (objective, runs)
+
+
+def small_plan():
+    model = ModelCost([LayerCost(3 * GIB, 0, 1e9)] * 4, activation_bytes_per_token=8192, end_bytes=GIB)
+    devices = [Device("laptop", 8 * GIB, 50, GIB), Device("desktop", 16 * GIB, 20, GIB)]
+    return plan(model, devices, PlanOptions(context_length=0, objective="throughput"))
+
+
+def test_json_round_trip():
+    result = small_plan()
+    text = result.to_json()
+    assert json.loads(text)["stages"][0]["device"] == "laptop"
+    assert Plan.from_json(text) == result
+
+
+def test_table_shows_devices_layers_memory_and_time():
+    result = small_plan()
+    lines = result.table().splitlines()
+    assert lines[0].split() == ["device", "layers", "memory", "used", "/", "budget", "ms/token"]
+    assert lines[1].split()[:2] == ["laptop", "0-1"] and "7.00 GiB / 8.00 GiB" in lines[1]
+    assert lines[2].split()[:2] == ["desktop", "2-3"] and "8.00 GiB / 16.00 GiB" in lines[2]
+    assert lines[3].startswith("throughput: ") and "slowest stage" in lines[3]
+
+
+@pytest.mark.parametrize(
+    "options, devices, words",
+    [
+        (PlanOptions(0, objective="speed"), None, "objective 'speed'"),
+        (PlanOptions(0, pipeline_order=["a", "z"]), None, "pipeline_order"),
+        (PlanOptions(0, pipeline_order=["a", "a"]), None, "pipeline_order"),
+        (PlanOptions(0, min_prefix=3), None, "min_prefix"),
+        (PlanOptions(-1), None, "context_length"),
+        (PlanOptions(0), [Device("a", 10, 0.0)], "gflops"),
+        (PlanOptions(0, default_link=Link(0.0, 0.0)), None, "bandwidth"),
+    ],
+)
+def test_rejects_options_that_cannot_work(options, devices, words):
+    model = ModelCost([LayerCost(1, 0, 1.0)] * 2, activation_bytes_per_token=1)
+    with pytest.raises(InvalidOption, match=words):
+        plan(model, devices or [Device("a", 10, 1.0), Device("b", 10, 1.0)], options)

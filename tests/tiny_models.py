@@ -1,0 +1,55 @@
+"""Tiny random-init transformers models of every family we support, saved as sharded checkpoints.
+
+Shared by the converter, store and streaming tests. Seeds are fixed so runs are repeatable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+COMMON = dict(vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+    "mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    "gemma": dict(model_type="gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "phi3": dict(model_type="phi3", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0),
+    "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=4, n_head=4, n_positions=64, vocab_size=128),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4),
+    "falcon": dict(model_type="falcon", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                   new_decoder_architecture=False, multi_query=True),
+}
+
+
+def tiny_config(family: str):
+    settings = {**COMMON, **CONFIGS[family]}
+    model_type = settings.pop("model_type")
+    return AutoConfig.for_model(model_type, **settings)
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=dtype)
+    return model.eval()
+
+
+def save_checkpoint(family: str, folder: Path, max_shard_size: str = "40KB", seed: int = 0,
+                    dtype: torch.dtype = torch.float32):
+    """Save a tiny model as a sharded safetensors checkpoint; returns the model."""
+    model = tiny_model(family, seed, dtype)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    return model
