@@ -48,7 +48,7 @@ def _logging(verbose: bool) -> None:
 def convert(
     source: Annotated[str, typer.Argument(help="Local folder, HTTP(S) base URL, or Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output store folder.")],
-    sequential: Annotated[bool, typer.Option("--sequential", help="One shard at a time; deletes each source shard after use.")] = False,
+    sequential: Annotated[bool, typer.Option("--sequential/--no-sequential", help="One shard at a time; deletes each source shard after use.")] = False,
     compression: Annotated[str, typer.Option(help="none, 4bit (NF4) or 8bit.")] = "none",
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,

@@ -189,10 +189,11 @@ class _Job:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
         bar = tqdm(total=len(todo), unit="shard", disable=not self.progress, desc="convert")
         if not self.sequential:
-            fetched = {s: self._fetch(s, todo.index(s)) for s in todo}
-        for index, shard in enumerate(todo):
+            fetched = {s: self._fetch(s, shards.index(s)) for s in todo}
+        for shard in todo:
+            index = shards.index(shard)   # piece files are named by it: the same after a resume
             path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
-            self._process(shard, path, wait, stored, index, last=index == len(todo) - 1)
+            self._process(shard, path, wait, stored, index, last=shard == todo[-1])
             if self.sequential:
                 self.src.release(shard, delete=True)
                 log.info("released shard %s", shard)

@@ -1,0 +1,131 @@
+"""A Hugging Face Hub repo, downloaded one file at a time through huggingface_hub.
+
+Shards land in the staging folder (`hf_hub_download(local_dir=...)`), never in the shared HF cache,
+so releasing a shard frees its disk at once. The Hub address comes from huggingface_hub itself
+(`HF_ENDPOINT`), which is also how the tests point it at a local server.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import HfApi, HfFileMetadata, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    SafetensorsParsingError,
+)
+from tqdm import tqdm
+
+from shardstream.errors import SourceNotFound, SourceUnreachable
+from shardstream.sources.remote import RemoteSource
+
+
+class _QuietBar(tqdm):
+    """huggingface_hub builds its download bars from this class; it stays hidden."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
+class HubSource(RemoteSource):
+    """`org/name` on the Hub at an optional revision, with an optional token for private repos."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        staging_dir: Path,
+        *,
+        token: str | None = None,
+        revision: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        super().__init__(f"hub {repo_id}" + (f"@{revision}" if revision else ""), staging_dir, progress)
+        self.repo_id = repo_id
+        self.revision = revision
+        self.token = token
+
+    def _read_file(self, name: str) -> bytes | None:
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.staging_dir) as scratch, self._translated(name):
+            try:
+                return Path(self._hf_download(name, Path(scratch))).read_bytes()
+            except RemoteEntryNotFoundError:
+                return None
+
+    def _has_file(self, name: str) -> bool:
+        with self._translated(name):
+            try:
+                self._metadata(name)
+                return True
+            except RemoteEntryNotFoundError:
+                return False
+
+    def _size(self, name: str) -> int | None:
+        with self._translated(name):
+            return self._metadata(name).size
+
+    def _tensor_names(self, name: str) -> list[str] | None:
+        """huggingface_hub reads just the header with a Range request."""
+        api = HfApi(token=self.token)
+        with self._translated(name):
+            try:
+                return list(api.parse_safetensors_file_metadata(self.repo_id, name, revision=self.revision).tensors)
+            except RemoteEntryNotFoundError:
+                return None
+            except SafetensorsParsingError as exc:
+                raise self._corrupt(name, str(exc), "the repo's copy is damaged; report it to its owner.") from None
+
+    def _download(self, name: str) -> Path:
+        with self._translated(name):
+            return Path(self._hf_download(name, self.staging_dir))
+
+    def _hf_download(self, name: str, local_dir: Path) -> str:
+        return hf_hub_download(
+            self.repo_id, name, revision=self.revision, token=self.token, local_dir=local_dir,
+            tqdm_class=None if self.progress else _QuietBar,
+        )
+
+    def _metadata(self, name: str) -> HfFileMetadata:
+        url = hf_hub_url(self.repo_id, name, revision=self.revision)
+        return get_hf_file_metadata(url, token=self.token)
+
+    @contextmanager
+    def _translated(self, name: str) -> Iterator[None]:
+        """huggingface_hub's errors, re-raised as ours with a message that says what to do."""
+        try:
+            yield
+        except RemoteEntryNotFoundError:
+            raise SourceNotFound(f"{name} is not in {self.description}; check the repo id and revision.") from None
+        except RevisionNotFoundError:
+            raise SourceNotFound(
+                f"revision {self.revision} of {self.repo_id} does not exist on the Hub; check the revision name."
+            ) from None
+        except GatedRepoError:
+            raise SourceNotFound(
+                f"{self.repo_id} is gated on the Hub; accept its terms there and pass a token that has access."
+            ) from None
+        except RepositoryNotFoundError:
+            raise SourceNotFound(
+                f"{self.repo_id} is not on the Hub or is private; check the id, or pass a token that can read it."
+            ) from None
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx2.TransportError):
+            raise SourceUnreachable(
+                f"could not reach the Hub at {constants.ENDPOINT} for {name} of {self.repo_id}; "
+                "check your connection (and HF_ENDPOINT, HF_HUB_OFFLINE), then run again."
+            ) from None
+        except HfHubHTTPError as exc:
+            raise SourceUnreachable(
+                f"the Hub answered HTTP {exc.response.status_code} for {name} of {self.repo_id}; "
+                "check the token and try again later."
+            ) from None

@@ -1,0 +1,123 @@
+"""`shardstream convert/inspect/verify` as a user runs them: real subprocesses, real SIGKILLs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_convert import save_wide_llama
+from tiny_models import save_checkpoint
+
+CLI = [sys.executable, "-m", "shardstream.cli"]
+EVENTS = ("wrote part", "wrote piece", "processed shard", "released shard")
+
+
+def run_cli(*args: str, cwd: Path, check: bool = False) -> subprocess.CompletedProcess:
+    result = subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def store_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != "convert_profile.json"
+    }
+
+
+def kill_after(events: int, args: list[str], cwd: Path) -> int:
+    """Start a conversion and SIGKILL it right after its `events`-th logged step."""
+    proc = subprocess.Popen([*CLI, *args, "-v", "--no-progress"], cwd=cwd,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = 0
+    for line in proc.stderr:
+        if any(e in line for e in EVENTS):
+            seen += 1
+            if seen == events:
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("pristine") / "src"
+    save_wide_llama(folder)
+    return folder
+
+
+@pytest.mark.parametrize("mode", ["--sequential", "--no-sequential"])
+def test_sigkill_anywhere_then_rerun_gives_identical_store(tmp_path, pristine, mode):
+    reference = tmp_path / "reference"
+    shutil.copytree(pristine, reference / "src")
+    run_cli("convert", "src", "store", mode, "--no-progress", cwd=reference, check=True)
+    expected = store_files(reference / "store")
+
+    for events in (1, 4, 9, 15):
+        work = tmp_path / f"kill{events}"
+        shutil.copytree(pristine, work / "src")
+        code = kill_after(events, ["convert", "src", "store", mode], cwd=work)
+        assert code == -signal.SIGKILL, f"the run ended before event {events}; the test would prove nothing"
+        run_cli("convert", "src", "store", mode, "--no-progress", cwd=work, check=True)
+        assert store_files(work / "store") == expected, f"store differs after a kill at event {events}"
+        if mode == "--sequential":
+            assert not list((work / "src").glob("*.safetensors"))
+
+
+def test_corrupt_shard_is_one_clear_sentence(tmp_path):
+    save_checkpoint("llama", tmp_path / "src")
+    victim = sorted((tmp_path / "src").glob("*.safetensors"))[1]
+    data = bytearray(victim.read_bytes())
+    data[0:8] = (10**12).to_bytes(8, "little")   # header length beyond the file
+    victim.write_bytes(bytes(data))
+    result = run_cli("convert", "src", "store", "--sequential", "--no-progress", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert victim.name in result.stderr and "download the checkpoint again" in result.stderr
+
+
+def test_verify_and_inspect(tmp_path):
+    save_checkpoint("llama", tmp_path / "src")
+    run_cli("convert", "src", "store", "--compression", "4bit", "--no-progress", cwd=tmp_path, check=True)
+
+    ok = run_cli("verify", "store", cwd=tmp_path, check=True)
+    assert ok.stdout.startswith("OK:")
+    shown = run_cli("inspect", "store", cwd=tmp_path, check=True).stdout
+    for text in ("start", "mid/3", "end", "4bit", "complete", "family=llama"):
+        assert text in shown
+
+    victim = tmp_path / "store" / "mid" / "1" / "weights.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = run_cli("verify", "store", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "mid/1/weights.safetensors: checksum mismatch" in bad.stderr
+    assert run_cli("verify", "store", "--parts", "mid/0,end", cwd=tmp_path).returncode == 0
+
+    (tmp_path / "store" / "mid" / "2" / "weights.safetensors").unlink()
+    assert "mid/2/weights.safetensors: missing" in run_cli("verify", "store", cwd=tmp_path).stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["convert", "./nowhere", "out"], "nowhere does not exist"),
+    (["convert", "src", "out", "--compression", "3bit"], "compression must be one of"),
+    (["convert", "src", "out", "--min-free-space", "lots"], "--min-free-space takes a size"),
+    (["inspect", "src"], "not a shardstream store"),
+    (["verify", "nowhere"], "does not exist"),
+])
+def test_user_mistakes_exit_1_without_traceback(tmp_path, args, message):
+    save_checkpoint("llama", tmp_path / "src")
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert os.path.exists(tmp_path / "src" / "config.json")
