@@ -258,3 +258,19 @@ def test_existing_store_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="another model or compression"):
         convert(tmp_path / "b", tmp_path / "store", progress=False)
     shutil.rmtree(tmp_path / "store")
+
+
+def test_maps_from_a_real_index(tmp_path):
+    from shardstream.convert import make_plan
+
+    save_checkpoint("qwen2", tmp_path / "src")
+    index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    plan = make_plan(config, index)
+    assert plan.expected_parts == ["start", "mid/0", "mid/1", "mid/2", "mid/3", "end"]
+    assert plan.tied == ("lm_head.weight", "model.embed_tokens.weight", "end")
+    assert plan.part_tensors["end"] == {"model.norm.weight"}
+    assert plan.part_tensors["mid/2"] == {n for n in index if n.startswith("model.layers.2.")}
+    for part, shards in plan.part_shards.items():
+        assert shards == {index[n] for n in plan.part_tensors[part]}
+    assert any(len(s) > 1 for s in plan.part_shards.values()), "some layer spans two shards"

@@ -1,0 +1,305 @@
+"""Blockwise 4-bit (NF4) and 8-bit (dynamic map) quantization, bit-compatible with bitsandbytes.
+
+The converter quantizes a weight once; the streaming runtime dequantizes it on every load, so
+dequantization is the hot path. Where bitsandbytes is installed and its CPU kernels give the same
+values as ours, dequantize uses them (several times faster); otherwise vectorized torch over
+chunks of whole blocks (bounded temporary memory, no Python loop over blocks). Quantization is
+always ours, so stored bytes never depend on what is installed. Codes, packing order and the
+stored absmax follow bitsandbytes, so either side can read the other's bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardstream.errors import InvalidOption, StoreCorrupt
+
+METHODS = ("4bit", "8bit")
+DEFAULT_BLOCKSIZE = {"4bit": 64, "8bit": 256}  # bitsandbytes' defaults
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_CODES_PER_BYTE = {"4bit": 2, "8bit": 1}
+_CHUNK_ELEMENTS = 1 << 18  # per step: keeps temporaries small (cache-sized) on big tensors
+
+
+# The 16 NF4 values exactly as bitsandbytes.functional.get_4bit_type("nf4") lists them (sorted).
+NF4_CODE = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=torch.float32,
+)
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' `create_dynamic_map()` (signed, 7 exponent bits, 8 bits), in float32.
+
+    Decade `10**(i-6)` (i = 0..6) holds the midpoints of `2**i` equal steps across [0.1, 1],
+    with both signs; 0 and 1 complete the 256 values. Same float32 arithmetic as theirs, so equal.
+    """
+    values = [torch.tensor([0.0, 1.0])]
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (10 ** (i - 6)) * ((bounds[:-1] + bounds[1:]) / 2.0)
+        values += [means, -means]
+    return torch.cat(values).sort().values
+
+
+_CODES = {"4bit": NF4_CODE, "8bit": dynamic_map()}
+# Decision thresholds between neighbouring codes; bucketize (ties go low) picks the nearest code.
+_MIDPOINTS = {method: (code[:-1] + code[1:]) / 2 for method, code in _CODES.items()}
+
+
+def _word_table(method: str) -> torch.Tensor:
+    """What each 2-byte word of stored codes expands to, one row per uint16 value.
+
+    Decoding two bytes per lookup halves the index work; 4bit packs the first code in the high
+    nibble (bitsandbytes). The word's bytes are read in this machine's memory order.
+    """
+    code = _CODES[method]
+    if method == "4bit":
+        byte_values = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)
+    else:
+        byte_values = code.unsqueeze(1)
+    word_bytes = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2)
+    return byte_values[word_bytes.long()].reshape(1 << 16, -1)
+
+
+_WORD_VALUES = {method: _word_table(method) for method in METHODS}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One quantized tensor: codes, one float32 absmax per block, and how to undo it (JSON-able)."""
+
+    data: torch.Tensor  # uint8, flat; 4bit: ceil(numel/2) bytes, 8bit: numel bytes
+    absmax: torch.Tensor  # float32, ceil(numel / blocksize) values
+    meta: dict  # {"method", "blocksize", "shape", "dtype"}
+
+
+def should_quantize(name: str, tensor: torch.Tensor, method: str = "4bit", blocksize: int | None = None) -> bool:
+    """Quantize matrices and larger; keep vectors (norms, biases), norm weights and tiny tensors exact.
+
+    Norm scales multiply every activation, so their error costs far more than their bytes save;
+    a tensor smaller than one block would spend more on its absmax than it saves.
+    """
+    blocksize = _blocksize(method, blocksize)
+    return (
+        tensor.dtype in _DTYPE_NAMES
+        and tensor.ndim >= 2
+        and tensor.numel() >= blocksize
+        and "norm" not in name.lower()
+    )
+
+
+def quantize(tensor: torch.Tensor, method: str, blocksize: int | None = None) -> QuantizedTensor:
+    """Quantize blockwise over the flattened tensor; the last block is zero-padded (padding not stored)."""
+    blocksize = _blocksize(method, blocksize)
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise InvalidOption(
+            f"tensor dtype {tensor.dtype} cannot be quantized; pass a float16, bfloat16 or float32 tensor."
+        )
+    flat = tensor.detach().cpu().reshape(-1)
+    n = flat.numel()
+    per_byte = _CODES_PER_BYTE[method]
+    data = torch.empty(-(-n // per_byte), dtype=torch.uint8)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    midpoints = _MIDPOINTS[method]
+    step = _chunk_elements(blocksize)
+    for start in range(0, n, step):
+        piece = flat[start : start + step].float()
+        blocks = F.pad(piece, (0, -piece.numel() % blocksize)).view(-1, blocksize)
+        block_max = blocks.abs().amax(dim=1)
+        first_block = start // blocksize
+        absmax[first_block : first_block + len(block_max)] = block_max
+        scaled = (blocks * (1.0 / block_max.clamp(min=1e-38)).unsqueeze(1)).clamp_(-1, 1)
+        codes = torch.bucketize(scaled, midpoints, out_int32=True).to(torch.uint8).view(-1)
+        if per_byte == 2:
+            codes = (codes[0::2] << 4) | codes[1::2]
+        out = data[start // per_byte : (start + step) // per_byte]
+        out.copy_(codes[: out.numel()])
+    if not bool(torch.isfinite(absmax).all()):
+        raise InvalidOption("tensor holds NaN or infinite values, which blockwise codes cannot represent; keep it unquantized.")
+    meta = {"method": method, "blocksize": blocksize, "shape": list(tensor.shape), "dtype": _DTYPE_NAMES[tensor.dtype]}
+    return QuantizedTensor(data=data, absmax=absmax, meta=meta)
+
+
+def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict) -> torch.Tensor:
+    """Rebuild the tensor in its original shape and dtype: code value * block absmax, in float32.
+
+    bitsandbytes' kernels serve the sizes they handle exactly (checked once per process), pure torch
+    the rest; both give identical values.
+    """
+    method, blocksize, shape, dtype = _parse_meta(meta)
+    n = math.prod(shape)
+    per_byte = _CODES_PER_BYTE[method]
+    _check_array("data", data, torch.uint8, -(-n // per_byte))
+    _check_array("absmax", absmax, torch.float32, -(-n // blocksize))
+    data, absmax = data.reshape(-1), absmax.reshape(-1)
+    kernels = _bnb_kernels()
+    if kernels is not None and n % 2 == 0 and blocksize in _BNB_BLOCKSIZES:
+        return _bnb_dequantize(kernels, data, absmax, method, blocksize, n, dtype).view(shape)
+    return _torch_dequantize(data, absmax, method, blocksize, n, dtype).view(shape)
+
+
+def _torch_dequantize(
+    data: torch.Tensor, absmax: torch.Tensor, method: str, blocksize: int, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Flat dequantized values: one table lookup per 2-byte word, then a per-block scale."""
+    per_byte = _CODES_PER_BYTE[method]
+    if data.storage_offset() % 2:
+        data = data.clone()  # words must be 2-byte aligned
+    out = torch.empty(n, dtype=dtype)
+    step = _chunk_elements(blocksize)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        words = data[start // per_byte : -(-stop // per_byte)]
+        if words.numel() % 2:
+            words = torch.cat([words, words.new_zeros(1)])
+        values = _WORD_VALUES[method].index_select(0, words.view(torch.uint16).to(torch.int32)).view(-1)
+        first_block = start // blocksize
+        _scale_into(out[start:stop], values, absmax[first_block : -(-stop // blocksize)], blocksize)
+    return out
+
+
+def relative_error_bound(method: str, dtype: torch.dtype) -> float:
+    """Worst |x - dequantize(quantize(x))| / block absmax, for any x of `dtype`.
+
+    The nearest code is at most the largest half gap between neighbouring codes away (or, for
+    values beyond the outermost code, the distance from +-1 to it: the 8-bit map stops at -0.993).
+    Two float32 roundings (x/absmax, code*absmax) and the final cast to `dtype` add less than
+    2 * eps(dtype).
+    """
+    code = _CODES[_method(method)]
+    gap = max(float((code[1:] - code[:-1]).max()) / 2, float(code[0]) + 1, 1 - float(code[-1]))
+    return gap + 2 * torch.finfo(dtype).eps
+
+
+def max_abs_error_bound(tensor: torch.Tensor, method: str, blocksize: int | None = None) -> float:
+    """Bound on max |tensor - dequantize(quantize(tensor))|, for the converter's read-back check.
+
+    Every block's error is at most its absmax * relative_error_bound, so the tensor's is at most
+    max|tensor| * relative_error_bound; one subnormal step of the dtype covers tiny blocks. The
+    bound does not depend on the block size (only validated here).
+    """
+    _blocksize(method, blocksize)
+    if tensor.numel() == 0:
+        return 0.0
+    finfo = torch.finfo(tensor.dtype)
+    largest = float(tensor.detach().abs().max())
+    return largest * relative_error_bound(method, tensor.dtype) + finfo.smallest_normal * finfo.eps
+
+
+def _scale_into(out: torch.Tensor, values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> None:
+    """out = values * absmax per block, in float32 then cast (as bitsandbytes does).
+
+    Scaling the float32 temporary in place and casting in a separate copy is several times
+    faster than one broadcasting multiply that casts on write.
+    """
+    n = out.numel()
+    full = n // blocksize * blocksize
+    values[:full].view(-1, blocksize).mul_(absmax[: full // blocksize].unsqueeze(1))
+    if full < n:
+        values[full:n].mul_(absmax[-1])
+    out.copy_(values[:n])
+
+
+def _chunk_elements(blocksize: int) -> int:
+    """Whole blocks per step, an even count of them: 4-bit pairs and 2-byte words stay in one step."""
+    return max(2, _CHUNK_ELEMENTS // blocksize // 2 * 2) * blocksize
+
+
+# bitsandbytes' CPU 4-bit kernel is inaccurate from blocksize 2048 (it falls back itself there).
+_BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024)
+
+
+@functools.cache
+def _bnb_kernels() -> object | None:
+    """bitsandbytes' ops when installed and giving exactly our values on this machine, else None."""
+    try:
+        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+        kernels = torch.ops.bitsandbytes
+        probe = torch.linspace(-3, 5, 1024).reshape(4, 256)
+        for method in METHODS:
+            q = quantize(probe, method)
+            args = (q.data, q.absmax, method, q.meta["blocksize"], probe.numel(), torch.float32)
+            if not torch.equal(_bnb_dequantize(kernels, *args), _torch_dequantize(*args)):
+                return None
+    except Exception:  # an optional native library can fail to load in many ways; use ours then
+        return None
+    return kernels
+
+
+def _bnb_dequantize(
+    kernels: object, data: torch.Tensor, absmax: torch.Tensor, method: str, blocksize: int, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Flat dequantized values from bitsandbytes' kernels."""
+    if method == "4bit":
+        return kernels.dequantize_4bit(data, absmax, blocksize, "nf4", [n], dtype).view(-1)
+    return kernels.dequantize_blockwise(data, absmax, _CODES["8bit"], blocksize, dtype)
+
+
+def _method(method: object) -> str:
+    if method not in METHODS:
+        raise InvalidOption(f"quantization method must be one of {', '.join(METHODS)}, got {method!r}; pick one of those.")
+    return method  # type: ignore[return-value]
+
+
+def _blocksize(method: object, blocksize: object) -> int:
+    """The validated block size: positive, and even for 4bit so byte pairs stay inside the tensor's codes."""
+    method = _method(method)
+    if blocksize is None:
+        return DEFAULT_BLOCKSIZE[method]
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1 or (method == "4bit" and blocksize % 2):
+        raise InvalidOption(
+            f"blocksize must be a positive integer (even for 4bit), got {blocksize!r}; use e.g. {DEFAULT_BLOCKSIZE[method]}."
+        )
+    return blocksize
+
+
+def _parse_meta(meta: object) -> tuple[str, int, list[int], torch.dtype]:
+    """Check every field of a stored meta dict, since it comes from a manifest on disk."""
+    if not isinstance(meta, dict):
+        raise StoreCorrupt(f"quantization meta must be a dict, got {type(meta).__name__}; re-convert the model.")
+    for field in ("method", "blocksize", "shape", "dtype"):
+        if field not in meta:
+            raise StoreCorrupt(f"quantization meta lacks field {field!r}; re-convert the model.")
+    method, blocksize, shape, dtype = meta["method"], meta["blocksize"], meta["shape"], meta["dtype"]
+    if method not in METHODS:
+        raise StoreCorrupt(f"quantization meta field 'method' is {method!r}, not one of {', '.join(METHODS)}; re-convert the model.")
+    try:
+        blocksize = _blocksize(method, blocksize)
+    except InvalidOption as error:
+        raise StoreCorrupt(f"quantization meta field 'blocksize' is invalid ({error}); re-convert the model.") from None
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise StoreCorrupt(f"quantization meta field 'shape' must be a list of non-negative integers, got {shape!r}; re-convert the model.")
+    if dtype not in DTYPES:
+        raise StoreCorrupt(f"quantization meta field 'dtype' is {dtype!r}, not one of {', '.join(DTYPES)}; re-convert the model.")
+    return method, blocksize, list(shape), DTYPES[dtype]
+
+
+def _check_array(field: str, array: object, dtype: torch.dtype, numel: int) -> None:
+    if not isinstance(array, torch.Tensor) or array.dtype != dtype or array.numel() != numel:
+        got = f"{array.dtype} with {array.numel()} values" if isinstance(array, torch.Tensor) else type(array).__name__
+        raise StoreCorrupt(f"quantized '{field}' must be {dtype} with {numel} values for this meta, got {got}; re-convert the model.")
