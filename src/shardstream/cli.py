@@ -124,6 +124,17 @@ def verify(
     console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
 
 
+def _mount_subcommands() -> None:
+    """Commands whose code lives with their capability."""
+    from .data.cli import data_app, train_command
+
+    app.command("train", help="Train a causal LM on a dataset streamed in blocks and chunks.")(train_command)
+    app.add_typer(data_app, name="data", help="Inspect and move the training-data tracker.")
+
+
+_mount_subcommands()
+
+
 def main() -> None:
     """Console entry point: our errors become one line on stderr and exit code 1."""
     try:

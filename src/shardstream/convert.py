@@ -26,7 +26,7 @@ from .safetensors_header import Header, HeaderError, read_header
 from .sources import CheckpointSource, open_source
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME, Manifest, StoreWriter
-from .store.atomic import write_json_atomic
+from .atomic import write_json_atomic
 from .store.dtypes import TORCH_DTYPES
 
 log = logging.getLogger("shardstream.convert")

@@ -48,3 +48,23 @@ class DiskSpaceError(ShardstreamError, OSError):
 
 class InvalidOption(ShardstreamError, ValueError):
     """An option or argument with a value that cannot work."""
+
+
+class TrackerCorrupt(ShardstreamError, ValueError):
+    """The chunk tracker database or its exported state file is unreadable or malformed."""
+
+
+class TrackerUnavailable(ShardstreamError, ConnectionError):
+    """The chunk tracker's database server cannot be reached."""
+
+
+class DatasetError(ShardstreamError, ValueError):
+    """A training dataset cannot be read: missing files, unknown format or missing text field."""
+
+
+class WorkerFailed(ShardstreamError, RuntimeError):
+    """A training worker process exited with an error."""
+
+
+class PlanInfeasible(ShardstreamError, ValueError):
+    """No split of the model's blocks over the devices fits their memory budgets."""

@@ -17,7 +17,7 @@ import torch
 
 from .errors import InvalidOption, StoreIncomplete
 from .store import Manifest, StoreWriter
-from .store.atomic import write_bytes_atomic
+from .atomic import write_bytes_atomic
 from .store.manifest import check_relative
 
 SECTIONS = ("start", "mid", "end")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
 
+from shardstream.atomic import write_bytes_atomic
 from shardstream.errors import CorruptShard, SourceNotFound, UnsupportedModel, UntrustedPath
 from shardstream.safetensors_header import HeaderError, read_header
 
@@ -123,7 +123,7 @@ class CheckpointSource(ABC):
         for name in METADATA_FILES:
             data = self._read_file(name)
             if data is not None:
-                write_atomic(dest / name, data)
+                write_bytes_atomic(dest / name, data)
                 copied.append(name)
         return copied
 
@@ -188,17 +188,3 @@ class CheckpointSource(ABC):
 
     def _corrupt(self, name: str, detail: str, remedy: str) -> CorruptShard:
         return CorruptShard(f"shard {name} of {self.description} is corrupt ({detail}); {remedy}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename: a reader never sees half a file."""
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import StoreCorrupt, StoreIncomplete, UntrustedPath
-from .atomic import write_json_atomic
+from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
 
 FORMAT_VERSION = 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidOption
-from .atomic import discard_temp_files, write_bytes_atomic
+from ..atomic import discard_temp_files, write_bytes_atomic
 from .checksum import checksum_bytes, checksum_file
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from .partfile import encode_part

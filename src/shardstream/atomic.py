@@ -10,9 +10,10 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import DiskSpaceError
+from .errors import DiskSpaceError
 
 TEMP_PREFIX = ".tmp-"
 
@@ -43,6 +44,22 @@ def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview) -> None
                 f"the disk filled up while writing {path}; free some space and re-run (finished parts are kept)."
             ) from None
         raise
+    fsync_dir(path.parent)
+
+
+def write_with_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """For libraries that write to a path themselves (torch.save, pyarrow): same guarantees."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX + path.name + ".", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     fsync_dir(path.parent)
 
 

@@ -1,0 +1,113 @@
+"""`shardstream train` and `shardstream data ...`: thin wrappers that parse options and call the modules.
+
+The main CLI mounts them (`app.command("train")(train_command)`, `app.add_typer(data_app, name="data")`)
+and prints our errors' messages without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from shardstream.data.blocks import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLES_PER_BLOCK
+from shardstream.data.tracker import open_tracker
+from shardstream.data.tracker_state import read_state, write_state
+from shardstream.data.config import TrainConfig, default_cache_dir
+from shardstream.errors import InvalidOption
+
+data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True)
+
+
+def _cuda_ids(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        return tuple(int(i) for i in value.split(","))
+    except ValueError:
+        raise InvalidOption(f"--cuda-ids {value!r} is not a comma-separated list of GPU numbers; write it like 0,1.") from None
+
+
+def train_command(
+    model: Annotated[str, typer.Option(help="Folder with config.json (random init) or a full checkpoint.")],
+    dataset_file: Annotated[str, typer.Option(help="A .txt/.jsonl/.parquet/.csv file, a folder of them, or hf://name:config:split.")],
+    output: Annotated[Path, typer.Option(help="Where the checkpoint, tokenizer and chunk_tracker_state.json go.")],
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer folder or name; default: the --model folder.")] = None,
+    tracker: Annotated[Optional[str], typer.Option(help="Path, sqlite:///path or postgresql://...; default: OUTPUT/chunk_tracker.sqlite.")] = None,
+    cache_dir: Annotated[Path, typer.Option(help="Where data blocks are cached.")] = default_cache_dir(),
+    text_field: Annotated[str, typer.Option(help="Column or JSON field with the text.")] = "text",
+    dataset_chunk_size: Annotated[int, typer.Option(help="Samples per chunk, the unit of claiming.")] = DEFAULT_CHUNK_SIZE,
+    samples_per_block: Annotated[int, typer.Option(help="Samples per cached block.")] = DEFAULT_SAMPLES_PER_BLOCK,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for this run (all workers together).")] = None,
+    stop_after_epoch: Annotated[bool, typer.Option(help="Stop when the current epoch is done (the default without --iterate).")] = False,
+    iterate: Annotated[bool, typer.Option(help="Roll into the next epoch when one ends, until --steps.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Samples per step and worker (per rank with --ddp).")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample; longer samples are truncated.")] = 128,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 3e-4,
+    parallel_independent: Annotated[bool, typer.Option(help="Each worker trains its own replica on its own chunks (default).")] = False,
+    workers: Annotated[Optional[int], typer.Option(help="Worker processes; default: one per --cuda-ids entry, else 1.")] = None,
+    cuda_ids: Annotated[Optional[str], typer.Option(help="GPUs to use, e.g. 0,1.")] = None,
+    ddp: Annotated[bool, typer.Option(help="torch.distributed data parallel (gloo on CPU) instead of independent replicas.")] = False,
+    nproc: Annotated[int, typer.Option(help="Ranks for --ddp.")] = 2,
+    lease_seconds: Annotated[float, typer.Option(help="A claimed chunk returns to the pool this long after its last heartbeat.")] = 60.0,
+    log_file: Annotated[Optional[Path], typer.Option(help="Metrics as JSON lines.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random init from config.json.")] = 0,
+) -> None:
+    """Train a causal LM on chunks of a dataset handed out by the chunk tracker."""
+    from shardstream.data.launch import train
+
+    if ddp and parallel_independent:
+        raise InvalidOption("--ddp and --parallel-independent exclude each other; pick one.")
+    if iterate and stop_after_epoch:
+        raise InvalidOption("--iterate and --stop-after-epoch exclude each other; pick one.")
+    ids = _cuda_ids(cuda_ids)
+    cfg = TrainConfig(model=model, dataset=dataset_file, output=output, tokenizer=tokenizer, tracker=tracker, cache_dir=cache_dir,
+                      text_field=text_field, samples_per_block=samples_per_block, chunk_size=dataset_chunk_size, steps=steps,
+                      iterate=iterate, batch_size=batch_size, seq_len=seq_len, lr=lr, workers=workers or max(1, len(ids)),
+                      cuda_ids=ids, ddp=ddp, nproc=nproc, lease_seconds=lease_seconds, log_file=log_file, seed=seed)
+    stats = train(cfg)
+    typer.echo(f"trained {stats['steps_this_run']} steps (tracker total {stats['total_steps']}); epoch {stats['current_epoch']}: "
+               f"{stats['chunks_done']}/{stats['chunks_total']} chunks done; checkpoint in {output}")
+
+
+TrackerOption = Annotated[str, typer.Option(help="Path, sqlite:///path or postgresql://...")]
+
+
+@data_app.command("status")
+def status_command(tracker: TrackerOption, as_json: Annotated[bool, typer.Option("--json", help="Print raw JSON.")] = False) -> None:
+    """Progress of the current epoch, overall and per worker."""
+    with open_tracker(tracker) as t:
+        stats = t.get_progress_stats()
+    if as_json:
+        typer.echo(json.dumps(stats, indent=1))
+        return
+    total = stats["total_blocks"] if stats["total_blocks"] is not None else "?"
+    console = Console()
+    console.print(f"[bold]{stats['source']}[/]  epoch {stats['current_epoch']}  blocks {stats['blocks_this_epoch']}/{total} done  "
+                  f"chunks {stats['chunks_done']}/{stats['chunks_total']} done, {stats['chunks_leased']} leased "
+                  f"({stats['chunks_expired']} expired), {stats['chunks_pending']} pending  total steps {stats['total_steps']}")
+    table = Table("worker", "chunks done", "samples", "last step", "leased (block, chunk)")
+    for name, w in stats["workers"].items():
+        table.add_row(name, str(w["chunks_done"]), str(w["samples"]), str(w["last_step"] or "-"),
+                      " ".join(f"({b}, {c})" for b, c in w["leased"]) or "-")
+    console.print(table)
+
+
+@data_app.command("export")
+def export_command(tracker: TrackerOption, output: Annotated[Path, typer.Option(help="The JSON file to write.")]) -> None:
+    """Write the whole tracker to a chunk_tracker_state.json file."""
+    with open_tracker(tracker) as t:
+        write_state(output, t.export_state())
+    typer.echo(f"wrote {output}")
+
+
+@data_app.command("import")
+def import_command(tracker: TrackerOption, state: Annotated[Path, typer.Option(help="A chunk_tracker_state.json file.")]) -> None:
+    """Load a chunk_tracker_state.json file into a new, empty tracker."""
+    with open_tracker(tracker) as t:
+        t.import_state(read_state(state))
+    typer.echo(f"imported {state} into {tracker}")

@@ -1,0 +1,47 @@
+"""Load a causal LM (random init from config.json, or a full checkpoint) and its tokenizer; save it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from shardstream.errors import InvalidOption
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def has_weights(path: Path) -> bool:
+    return any((path / name).exists() for name in WEIGHT_FILES)
+
+
+def load_model(model_path: str, seed: int) -> PreTrainedModel:
+    """Weights when the folder has them, else a random init that is the same for every worker (same seed)."""
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise InvalidOption(f"model folder {model_path} has no config.json; pass --model a folder with config.json or a checkpoint.")
+    if has_weights(path):
+        return AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer from --tokenizer or the model folder, with a pad token so batches can be padded."""
+    path = tokenizer_path or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InvalidOption(f"no tokenizer could be loaded from {path} ({e}); put tokenizer files there or pass --tokenizer.") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Parameter average of independently trained replicas (same init), the checkpoint of a parallel run."""
+    if len(state_dicts) == 1:
+        return state_dicts[0]
+    return {name: (torch.stack([sd[name].float() for sd in state_dicts]).mean(0).to(t.dtype) if t.is_floating_point() else t)
+            for name, t in state_dicts[0].items()}

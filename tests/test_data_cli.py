@@ -1,0 +1,105 @@
+"""`shardstream train` / `shardstream data status` as real subprocesses, and a real SIGKILL mid-chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import psutil
+import typer
+from conftest_data import CLI, REPO, read_jsonl, run_cli, tiny_model, write_txt  # noqa: F401  (fixtures)
+from typer.testing import CliRunner
+
+from shardstream.data.cli import data_app, train_command
+from shardstream.data.tracker import open_tracker
+from shardstream.errors import InvalidOption
+
+
+def _train_args(tmp_path, model, samples: int, *extra: str) -> list[str]:
+    source = write_txt(tmp_path / "corpus.txt", samples)
+    return ["train", "--model", model, "--dataset-file", source, "--output", tmp_path / "out", "--cache-dir", tmp_path / "cache",
+            "--samples-per-block", "40", "--batch-size", "2", "--seq-len", "16", *extra]
+
+
+def test_train_two_workers_end_to_end_then_status(tmp_path, tiny_model):
+    log = tmp_path / "artifacts" / "metrics.jsonl"
+    result = run_cli(*_train_args(tmp_path, tiny_model, 100, "--dataset-chunk-size", "10", "--parallel-independent",
+                                  "--workers", "2", "--stop-after-epoch", "--log-file", log))
+    assert result.returncode == 0, result.stderr
+    assert "10/10 chunks done" in result.stdout
+    steps = [r for r in read_jsonl(log) if r["event"] == "step"]
+    assert len(steps) == 50 and {"step", "loss", "tokens_per_s", "block", "chunk", "worker"} <= steps[0].keys()
+    assert len({r["worker"] for r in steps}) == 2
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chunk_tracker_state.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    status = run_cli("data", "status", "--tracker", tmp_path / "out" / "chunk_tracker.sqlite", "--json")
+    stats = json.loads(status.stdout)
+    assert (stats["epoch_complete"], stats["chunks_done"], stats["total_steps"], len(stats["workers"])) == (True, 10, 50, 2)
+    table = run_cli("data", "status", "--tracker", f"sqlite:///{tmp_path / 'out' / 'chunk_tracker.sqlite'}")
+    assert table.returncode == 0 and "blocks 3/3 done" in table.stdout
+
+
+def test_sigkilled_worker_chunk_is_trained_again_by_another(tmp_path, tiny_model):
+    tracker_path = tmp_path / "tracker.sqlite"
+    # 6 chunks of 120 samples (60 steps each), so a kill lands inside a chunk.
+    proc = subprocess.Popen([sys.executable, "-c", CLI, *map(str, _train_args(
+        tmp_path, tiny_model, 720, "--samples-per-block", "240", "--dataset-chunk-size", "120", "--workers", "2",
+        "--lease-seconds", "3", "--tracker", tracker_path))], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = killed_chunk = None
+    deadline = time.time() + 180
+    while victim is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        if not tracker_path.exists():
+            continue
+        with open_tracker(str(tracker_path)) as tracker:
+            leased = [r for r in tracker.export_state()["chunks"] if r["state"] == "leased"] if not tracker.is_empty() else []
+        if leased:
+            row = leased[0]
+            victim = int(row["owner"].rsplit("-", 1)[1])
+            assert victim in {c.pid for c in psutil.Process(proc.pid).children()}
+            os.kill(victim, signal.SIGKILL)
+            killed_chunk = (row["block"], row["chunk"])
+    out, err = proc.communicate(timeout=240)
+    assert victim is not None, err
+    assert proc.returncode == 0, err
+    assert "exited with code -9" in err
+    with open_tracker(str(tracker_path)) as tracker:
+        rows = tracker.export_state()["chunks"]
+    assert len(rows) == 6 and all(r["state"] == "done" for r in rows)
+    assert max(Counter((r["epoch"], r["block"], r["chunk"]) for r in rows).values()) == 1
+    redone = next(r for r in rows if (r["block"], r["chunk"]) == killed_chunk)
+    assert redone["attempts"] == 2 and not redone["worker"].endswith(f"-{victim}")
+
+
+def test_corrupt_tracker_and_unreachable_database_print_a_message_not_a_traceback(tmp_path, tiny_model):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"garbage!" * 512)
+    result = run_cli(*_train_args(tmp_path, tiny_model, 10, "--tracker", bad))
+    assert result.returncode == 1
+    assert "error: tracker file" in result.stderr and "not a valid SQLite database" in result.stderr
+    assert "Traceback" not in result.stderr and bad.read_bytes() == b"garbage!" * 512
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_cli("data", "status", "--tracker", f"postgresql://trainer@127.0.0.1:{port}/runs")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"tracker database postgresql://trainer@127.0.0.1:{port}/runs cannot be reached" in result.stderr
+
+
+def test_option_parsing_and_conflicts():
+    app = typer.Typer()
+    app.command("train")(train_command)
+    app.add_typer(data_app, name="data")
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", "--model", "m", "--dataset-file", "d", "--output", "o", "--iterate", "--stop-after-epoch"])
+    assert isinstance(result.exception, InvalidOption) and "--iterate and --stop-after-epoch" in str(result.exception)
+    result = runner.invoke(app, ["train", "--model", "m", "--dataset-file", "d", "--output", "o", "--cuda-ids", "0,x"])
+    assert isinstance(result.exception, InvalidOption) and "0,1" in str(result.exception)
+    result = runner.invoke(app, ["train", "--model", "m", "--output", "o"])
+    assert result.exit_code == 2 and "dataset-file" in result.output
+    assert "status" in runner.invoke(app, ["data", "--help"]).output
