@@ -106,22 +106,64 @@ def inspect(store: Annotated[Path, typer.Argument(help="Store folder.")]) -> Non
 @app.command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
-    parts: Annotated[Optional[str], typer.Option(help="Comma-separated part paths to check, e.g. mid/3,end.")] = None,
+    parts: Annotated[Optional[str], typer.Option(help="Comma-separated parts to check, e.g. mid/3,end or experts.")] = None,
 ) -> None:
-    """Re-hash every file against the manifest; exit 1 naming any bad file."""
+    """Re-hash every file against the manifest (and the sharding index); exit 1 naming any bad file."""
     import time
 
-    from .store import verify_store
+    from .shard import verify_experts_and_slices
+    from .store import open_store, verify_store
 
     started = time.perf_counter()
-    hashed, problems = verify_store(store, parts.split(",") if parts else None)
+    wanted = parts.split(",") if parts else []
+    store_parts = [p for p in wanted if p != "experts"]
+    hashed, problems = (0, []) if wanted == ["experts"] else verify_store(store, store_parts or None)
+    opened = open_store(store, allow_incomplete=True)
+    if opened.manifest.sharding and (not wanted or "experts" in wanted):
+        problems += verify_experts_and_slices(opened)
     seconds = time.perf_counter() - started
     for problem in problems:
-        err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]")
+        err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]", highlight=False)
     if problems:
-        err_console.print("Re-run `shardstream convert` with the same arguments to repair the store.")
+        err_console.print("Re-run `shardstream convert` (or `shardstream shard`) with the same arguments to repair the store.")
         raise typer.Exit(1)
     console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+
+
+@app.command()
+def shard(
+    store: Annotated[Path, typer.Argument(help="Store folder.")],
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Write tensor-parallel slices for this many ranks.")] = None,
+    experts: Annotated[bool, typer.Option("--experts", help="Store MoE experts as files on tiers.")] = False,
+    tiers: Annotated[str, typer.Option(help="name=folder pairs, fastest first; relative = inside the store.")] = "hot=.",
+) -> None:
+    """Export tensor-parallel slices and/or place MoE experts on storage tiers."""
+    from .shard import export_tp, parse_tiers, place_experts
+    from .store import open_store
+
+    if tp is None and not experts:
+        raise InvalidOption("shard needs --tp N and/or --experts; pass at least one.")
+    opened = open_store(store)
+    if tp is not None:
+        console.print(f"{len(export_tp(opened, tp))} slices written for {tp} ranks")
+    if experts:
+        console.print(f"{len(place_experts(opened, parse_tiers(tiers)))} experts placed")
+
+
+@app.command()
+def relocate(
+    store: Annotated[Path, typer.Argument(help="Store folder.")],
+    expert: Annotated[str, typer.Option(help="<layer>:<expert>, e.g. 12:7.")],
+    tier: Annotated[str, typer.Option(help="Target tier name.")],
+) -> None:
+    """Move one expert to another tier (copy, verify, switch the index, remove the old copy)."""
+    from .shard import parse_expert_key
+    from .shard import relocate as run_relocate
+    from .store import open_store
+
+    layer, index = parse_expert_key(expert)
+    record = run_relocate(open_store(store), layer, index, tier, on_step=lambda step: console.print(f"  {step}"))
+    console.print(f"expert {expert} is on tier {record.tier}")
 
 
 def _mount_subcommands() -> None:

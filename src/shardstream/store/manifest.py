@@ -59,11 +59,12 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     aliases: dict[str, dict] = field(default_factory=dict)   # name -> {target, part}
+    sharding: str | None = None   # the sharding index file (TP slices, experts by tier), when exported
     complete: bool = False
 
     def to_dict(self) -> dict:
         body = asdict(self)
-        body["checksum"] = checksum_bytes(_canonical(body))
+        body["checksum"] = checksum_bytes(canonical_json(body))
         return body
 
     def save(self, root: Path) -> None:
@@ -78,7 +79,7 @@ class Manifest:
     def from_dict(cls, body: dict, where: str) -> "Manifest":
         body = dict(body)
         stated = body.pop("checksum", None)
-        if stated != checksum_bytes(_canonical(body)):
+        if stated != checksum_bytes(canonical_json(body)):
             raise StoreCorrupt(
                 f"{where} fails its own checksum (edited or damaged); re-run `shardstream convert` "
                 "to rebuild the store."
@@ -104,7 +105,8 @@ class Manifest:
 _NESTED = {"parts", "files", "tensors"}
 
 
-def _canonical(body: dict) -> bytes:
+def canonical_json(body: dict) -> bytes:
+    """The bytes a self-checksummed JSON file's checksum covers (sorted keys, no spaces)."""
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -127,7 +127,11 @@ class Store:
 
 
 def open_store(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Store:
-    """Open a store folder; an unfinished conversion is refused unless `allow_incomplete`."""
+    """Open a store folder or an http(s):// store URL; an unfinished one is refused unless `allow_incomplete`."""
+    if str(path).startswith(("http://", "https://")):
+        from .remote import open_remote_store
+
+        return open_remote_store(str(path), allow_incomplete=allow_incomplete)
     root = Path(path)
     if not root.is_dir():
         raise StoreIncomplete(f"{root} is not a folder; give the output folder of `shardstream convert`.")

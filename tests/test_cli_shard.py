@@ -1,0 +1,56 @@
+"""`shardstream shard / relocate / verify` on a tiny Mixtral, as a user runs them."""
+
+from __future__ import annotations
+
+import torch
+
+from shardstream.convert import convert
+from shardstream.shard import load_expert, load_tp
+from shardstream.store import open_store
+
+from http_server import serve_directory
+from test_cli_convert import run_cli
+from tiny_models import save_checkpoint
+
+
+def test_shard_relocate_verify(tmp_path):
+    save_checkpoint("mixtral", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    cold = tmp_path / "cold"
+
+    run_cli("shard", "store", "--tp", "2", cwd=tmp_path, check=True)
+    placed = run_cli("shard", "store", "--experts", "--tiers", f"hot=.,cold={cold}", cwd=tmp_path, check=True)
+    assert "experts placed" in placed.stdout
+    moved = run_cli("relocate", "store", "--expert", "1:2", "--tier", "cold", cwd=tmp_path, check=True)
+    assert "expert 1:2 is on tier cold" in moved.stdout
+    assert (cold / "experts" / "tier_cold" / "group_1" / "expert_2.safetensors").is_file()
+    assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
+
+    store = open_store(tmp_path / "store")
+    assert store.manifest.sharding == "sharding.json"
+    whole = store.load("mid/1")
+    expert = load_expert(store, layer=1, expert=2).tensors
+    for name, tensor in expert.items():
+        assert torch.equal(tensor, whole[name])
+    halves = [load_tp(store, "mid/1", tp_rank=r, tp_size=2) for r in range(2)]
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(torch.cat([h[q] for h in halves]), whole[q])
+
+    victim = cold / "experts" / "tier_cold" / "group_1" / "expert_2.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    bad = run_cli("verify", "store", "--parts", "experts", cwd=tmp_path)
+    assert bad.returncode == 1 and "expert_2.safetensors: checksum mismatch" in bad.stderr
+    assert run_cli("verify", "store", "--parts", "mid/0", cwd=tmp_path).returncode == 0
+
+
+def test_open_store_by_url(tmp_path):
+    save_checkpoint("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    with serve_directory(tmp_path / "store") as (url, log):
+        remote = open_store(url)
+        assert torch.equal(remote.load("mid/2")["model.layers.2.mlp.up_proj.weight"],
+                           open_store(tmp_path / "store").load("mid/2")["model.layers.2.mlp.up_proj.weight"])
+    assert any(r.path.endswith("mid/2/weights.safetensors") for r in log)
+    assert not any("mid/3" in r.path for r in log), "only the requested part is read"

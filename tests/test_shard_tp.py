@@ -1,0 +1,127 @@
+"""Tensor-parallel slices: every slicing rule round-trips, and a rank reads only its own bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstream
+from http_server import serve_directory
+from shardstream.convert import convert
+from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.shard import INDEX_NAME, export_tp, load_index, load_tp, split_dim
+from shardstream.store import MANIFEST_NAME
+from shardstream.store.remote import open_remote_store
+from tiny_models import save_checkpoint
+
+_STORES: dict[tuple, Path] = {}
+
+
+def tiny_store(family: str, tmp_path_factory, compression: str | None = None) -> Path:
+    """A converted tiny store per (family, compression), built once per test session."""
+    key = (family, compression)
+    if key not in _STORES:
+        folder = tmp_path_factory.mktemp(f"{family}-{compression}")
+        save_checkpoint(family, folder / "src")
+        convert(folder / "src", folder / "store", compression=compression, progress=False)
+        _STORES[key] = folder / "store"
+    return _STORES[key]
+
+
+@pytest.mark.parametrize("family, name, dim", [
+    ("llama", "model.layers.0.self_attn.q_proj.weight", 0),
+    ("llama", "model.layers.0.self_attn.k_proj.weight", 0),
+    ("llama", "model.layers.0.mlp.up_proj.weight", 0),
+    ("llama", "model.layers.0.self_attn.o_proj.weight", 1),
+    ("llama", "model.layers.0.mlp.down_proj.weight", 1),
+    ("llama", "model.embed_tokens.weight", 0),
+    ("llama", "lm_head.weight", 0),
+    ("llama", "model.norm.weight", None),
+    ("gpt2", "transformer.h.0.attn.c_attn.weight", 1),      # Conv1D: [in, out]
+    ("gpt2", "transformer.h.0.attn.c_attn.bias", 0),
+    ("gpt2", "transformer.h.0.mlp.c_proj.weight", 0),
+    ("gpt2", "transformer.h.0.mlp.c_proj.bias", None),
+    ("gpt2", "transformer.wpe.weight", None),
+    ("gpt_neox", "gpt_neox.layers.0.attention.query_key_value.bias", 0),
+    ("gpt_neox", "gpt_neox.layers.0.attention.dense.weight", 1),
+    ("gpt_neox", "gpt_neox.layers.0.attention.dense.bias", None),
+    ("gpt_neox", "embed_out.weight", 0),
+    ("falcon", "transformer.h.0.mlp.dense_h_to_4h.weight", 0),
+    ("falcon", "transformer.h.0.mlp.dense_4h_to_h.weight", 1),
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight", None),
+])
+def test_split_rules(family, name, dim):
+    assert split_dim(name, 1 if name.endswith("bias") or "norm" in name else 2, family) == dim
+
+
+@pytest.mark.parametrize("family, compression", [
+    ("llama", None), ("gpt2", None), ("gpt_neox", None), ("falcon", None), ("phi3", None),
+    ("mixtral", None), ("llama", "4bit"),
+])
+def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory):
+    root = tiny_store(family, tmp_path_factory, compression)
+    store = shardstream.open_store(root)
+    export_tp(store, 4)
+    split = {s.tensor: s.split_dim for s in load_index(store).slices}
+    for part in store.parts:
+        original = store.load(part)   # dequantized when the store is quantized
+        ranks = [load_tp(store, part, rank, 4) for rank in range(4)]
+        dense = {n for n in original if store.manifest.tensors.get(n) is None or store.manifest.tensors[n].expert is None}
+        assert set(ranks[0]) == dense
+        for name in dense:
+            dim = split[name]
+            joined = ranks[0][name] if dim is None else torch.cat([r[name] for r in ranks], dim)
+            assert joined.dtype == original[name].dtype and torch.equal(joined, original[name]), name
+            if dim is not None:
+                assert ranks[1][name].shape[dim] * 4 == original[name].shape[dim]
+    assert any(d is not None for d in split.values())
+
+
+def test_rank_reads_only_its_own_bytes_over_http(tmp_path_factory):
+    root = tiny_store("llama", tmp_path_factory)
+    export_tp(shardstream.open_store(root), 4)
+    with serve_directory(root) as (url, log):
+        store = open_remote_store(url)
+        before = len(log)
+        tensors = load_tp(store, "mid/2", tp_rank=1, tp_size=4)
+        reads = log[before:]
+    assert tensors["model.layers.2.self_attn.q_proj.weight"].shape == (8, 32)
+    files = sorted(r.path.lstrip("/") for r in reads)
+    assert files == ["dense/layer_2/rank_1_of_4.safetensors", INDEX_NAME]
+    rank_file = root / "dense/layer_2/rank_1_of_4.safetensors"
+    assert sum(r.body_bytes for r in reads) == rank_file.stat().st_size + (root / INDEX_NAME).stat().st_size
+    assert rank_file.stat().st_size < (root / "mid/2/weights.safetensors").stat().st_size / 3
+
+
+def test_corrupt_slice_is_named_and_other_ranks_still_load(tmp_path_factory):
+    root = tiny_store("gpt2", tmp_path_factory)
+    store = shardstream.open_store(root)
+    export_tp(store, 2)
+    bad = root / "dense/layer_1/rank_0_of_2.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[-3] ^= 0xFF
+    bad.write_bytes(data)
+    with pytest.raises(StoreCorrupt, match="dense/layer_1/rank_0_of_2.safetensors fails its checksum"):
+        load_tp(store, "mid/1", 0, 2)
+    assert "transformer.h.1.attn.c_attn.weight" in load_tp(store, "mid/1", 1, 2)
+    export_tp(store, 2)   # re-running rewrites the damaged file
+    load_tp(store, "mid/1", 0, 2)
+
+
+def test_indivisible_split_is_refused(tmp_path_factory):
+    store = shardstream.open_store(tiny_store("llama", tmp_path_factory))
+    with pytest.raises(InvalidOption, match="embed_tokens.weight is 128 long along dim 0, which 3 ranks cannot share"):
+        export_tp(store, 3)
+
+
+def test_index_edit_is_detected(tmp_path_factory):
+    root = tiny_store("falcon", tmp_path_factory)
+    store = shardstream.open_store(root)
+    export_tp(store, 2)
+    path = root / INDEX_NAME
+    path.write_text(path.read_text().replace('"rank": 1', '"rank": 0', 1))
+    with pytest.raises(StoreCorrupt, match="sharding.json fails its own checksum"):
+        load_tp(store, "mid/0", 0, 2)
+    assert (root / MANIFEST_NAME).exists()
