@@ -10,7 +10,7 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import DiskSpaceError
@@ -28,13 +28,20 @@ def fsync_dir(folder: Path) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview) -> None:
     """Write data to path so that path holds either the old content or all of the new."""
+    write_chunks_atomic(path, [data])
+
+
+def write_chunks_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+    """Like write_bytes_atomic, from pieces, so a large file never has to exist whole in memory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        with os.fdopen(fd, "wb", buffering=0) as handle:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[handle.write(view):]
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as exc:

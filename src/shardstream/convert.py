@@ -12,7 +12,8 @@ import logging
 import shutil
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,7 +165,14 @@ def _default_layer_warning() -> int:
 
 
 class _Job:
-    """The shard loop, with its buffers; one instance per convert() call."""
+    """The shard loop, with its buffers; one instance per convert() call.
+
+    Parts are encoded and written on one writer thread while the main thread reads on, so disk
+    reads and writes overlap; at most two parts wait for the writer. Before a source shard is
+    deleted, every write that came from it has finished, so a kill never loses data.
+    """
+
+    MAX_PENDING_WRITES = 2
 
     def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
                  min_free_space: int, layer_warning: int, progress: bool):
@@ -174,6 +182,10 @@ class _Job:
         self.layer_warning = layer_warning
         self.progress = progress
         self.buffer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.stored = writer.stored_tensors()            # durably written or handed to the writer
+        self.completed = set(writer.manifest.parts)      # likewise, for whole parts
+        self.pieced = {r.part for r in writer.manifest.tensors.values()}
+        self.pending: deque[Future] = deque()
         self.warned_parts: set[str] = set()
         self.written: list[str] = []
         self.skipped = sorted(writer.manifest.parts)
@@ -181,9 +193,12 @@ class _Job:
         self.profile: dict[str, PartProfile] = defaultdict(PartProfile)
 
     def run(self) -> None:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstream-writer") as self.pool:
+            self._run()
+
+    def _run(self) -> None:
         shards = self.src.shard_names()
-        stored = self.writer.stored_tensors()
-        todo = [s for s in shards if self._needed(s, stored)]
+        todo = [s for s in shards if self._needed(s)]
         for shard in shards:
             if shard not in todo and self.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
@@ -193,21 +208,22 @@ class _Job:
         for shard in todo:
             index = shards.index(shard)   # piece files are named by it: the same after a resume
             path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
-            self._process(shard, path, wait, stored, index, last=shard == todo[-1])
+            self._process(shard, path, wait, index, last=shard == todo[-1])
             if self.sequential:
+                self._drain()
                 self.src.release(shard, delete=True)
                 log.info("released shard %s", shard)
             bar.update(1)
         bar.close()
+        self._safeguard()
+        self._drain()
         if not self.sequential:
             for shard in todo:
                 self.src.release(shard, delete=False)
-        self._safeguard()
 
-    def _needed(self, shard: str, stored: set[str]) -> bool:
-        complete = self.writer.manifest.parts
+    def _needed(self, shard: str) -> bool:
         return any(
-            s == shard and self.plan.part_of[n] not in complete and n not in stored
+            s == shard and self.plan.part_of[n] not in self.completed and n not in self.stored
             for n, s in self.plan.weight_map.items()
         )
 
@@ -241,7 +257,7 @@ class _Job:
                 stacklevel=2,
             )
 
-    def _process(self, shard: str, path: Path, wait: float, stored: set[str], index: int, last: bool) -> None:
+    def _process(self, shard: str, path: Path, wait: float, index: int, last: bool) -> None:
         try:
             header = read_header(path)
         except HeaderError as exc:
@@ -249,34 +265,44 @@ class _Job:
                 f"shard {shard} is corrupt ({exc}); delete it and download the checkpoint again."
             ) from None
         wanted = [n for n, s in self.plan.weight_map.items()
-                  if s == shard and n not in stored and self.plan.part_of[n] not in self.writer.manifest.parts]
-        touched = set()
+                  if s == shard and n not in self.stored and self.plan.part_of[n] not in self.completed]
+        touched: list[str] = []
         for name, tensor, seconds in _read_tensors(path, header, wanted):
             part = self.plan.part_of[name]
             self.buffer[part][name] = tensor
             self.profile[part].read_seconds += seconds
-            touched.add(part)
-        for part in touched:
-            self.profile[part].wait_seconds += wait
+            if part not in touched:
+                touched.append(part)
+                self.profile[part].wait_seconds += wait
             self._warn_if_large(part)
-        for part in sorted(touched, key=self.plan.expected_parts.index):
-            if self._complete(part, stored):
-                self._write(part, piece=index if self._has_pieces(part) else None, complete=True)
+            if self._complete(part):   # written while the rest of the shard is read
+                self._submit(part, piece=index if part in self.pieced else None, complete=True)
         if self.sequential and not last:
             for part in sorted(self.buffer, key=self.plan.expected_parts.index):
-                self._write(part, piece=index, complete=False)
-                stored.update(self.writer.manifest.tensors)
+                self._submit(part, piece=index, complete=False)
         log.info("processed shard %s", shard)
 
-    def _complete(self, part: str, stored: set[str]) -> bool:
-        have = set(self.buffer.get(part, ())) | stored
-        return self.plan.part_tensors[part] <= have
+    def _complete(self, part: str) -> bool:
+        needed = self.plan.part_tensors[part]
+        return all(n in self.buffer.get(part, ()) or n in self.stored for n in needed)
 
-    def _has_pieces(self, part: str) -> bool:
-        return any(r.part == part for r in self.writer.manifest.tensors.values())
-
-    def _write(self, part: str, piece: int | None, complete: bool) -> None:
+    def _submit(self, part: str, piece: int | None, complete: bool) -> None:
         tensors = self.buffer.pop(part, {})
+        self.stored.update(tensors)
+        if complete:
+            self.completed.add(part)
+        else:
+            self.pieced.add(part)
+        while len(self.pending) >= self.MAX_PENDING_WRITES:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(self._write, part, tensors, piece, complete))
+
+    def _drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def _write(self, part: str, tensors: dict[str, torch.Tensor], piece: int | None, complete: bool) -> None:
+        """Runs on the writer thread, the only one that touches the manifest while the job runs."""
         experts = {n: self.plan.expert_of[n] for n in tensors if n in self.plan.expert_of}
         timings = self.writer.write(part, tensors, experts, piece, complete)
         profile = self.profile[part]
@@ -302,15 +328,14 @@ class _Job:
 
     def _safeguard(self) -> None:
         """Final pass: every expected part must be complete; write any the loop left behind."""
-        stored = self.writer.stored_tensors()
         for part in self.plan.expected_parts:
-            if part in self.writer.manifest.parts:
+            if part in self.completed:
                 continue
-            if self._complete(part, stored):
-                self._write(part, piece=None if not self._has_pieces(part) else len(self.src.shard_names()),
-                            complete=True)
+            if self._complete(part):
+                self._submit(part, piece=len(self.src.shard_names()) if part in self.pieced else None,
+                             complete=True)
                 continue
-            lacking = sorted(self.plan.part_tensors[part] - stored - set(self.buffer.get(part, ())))
+            lacking = sorted(self.plan.part_tensors[part] - self.stored - set(self.buffer.get(part, ())))
             shards = sorted({self.plan.weight_map[n] for n in lacking})
             raise CorruptShard(
                 f"part {part} cannot be completed: {len(lacking)} tensors (e.g. {lacking[0]!r}) are in "
@@ -324,15 +349,12 @@ def _read_tensors(path: Path, header: Header, names: list[str]):
     with open(path, "rb", buffering=0) as handle:
         for entry in entries:
             started = time.perf_counter()
-            buffer = bytearray(entry.nbytes)
-            handle.seek(header.data_start + entry.begin)
-            if handle.readinto(buffer) != entry.nbytes:
-                raise CorruptShard(f"shard {path.name} ended early inside {entry.name!r}; download it again.")
             dtype = TORCH_DTYPES[entry.dtype]
-            if entry.nbytes:
-                tensor = torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
-            else:
-                tensor = torch.empty(entry.shape, dtype=dtype)
+            raw = torch.empty(entry.nbytes, dtype=torch.uint8)   # uninitialised: no zero-fill
+            handle.seek(header.data_start + entry.begin)
+            if entry.nbytes and handle.readinto(raw.numpy()) != entry.nbytes:
+                raise CorruptShard(f"shard {path.name} ended early inside {entry.name!r}; download it again.")
+            tensor = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
             yield entry.name, tensor, time.perf_counter() - started
 
 

@@ -23,10 +23,11 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreIncomplete
 from ..naming import Part
 from ..atomic import discard_temp_files, write_bytes_atomic
-from ..store.checksum import checksum_bytes, checksum_file
+from ..store.checksum import checksum_file
 from ..store.manifest import FileRecord, check_relative
 from ..store.partfile import encode_part, tensor_from_bytes
 from ..store.reader import Store
+from ..store.writer import write_encoded
 from ..store.remote import RemoteStore
 from ..store.verify import Problem
 from .index import INDEX_NAME, ExpertRecord, ShardIndex, checked, load_index, read_store_file
@@ -88,8 +89,8 @@ def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int
         tier = (placement or {}).get((group, expert)) or getattr(index.experts.get(key), "tier", None) or next(iter(tiers))
         encoded = encode_part({n: loaded[part][n] for n in names}, None)
         file = expert_file(tier, group, expert)
-        write_bytes_atomic(tier_root(store, index, tier) / file, encoded.data)
-        index.files[file] = FileRecord(size=len(encoded.data), xxh3_128=checksum_bytes(encoded.data))
+        digest = write_encoded(tier_root(store, index, tier) / file, encoded)
+        index.files[file] = FileRecord(size=encoded.size, xxh3_128=digest)
         index.experts[key] = ExpertRecord(tier=tier, group=group, expert=expert, file=file,
                                           hint=index.tiers[tier]["hint"], tensors=encoded.records)
     index.save(store.root)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidOption, StoreIncomplete
-from ..atomic import write_bytes_atomic
-from ..store.checksum import checksum_bytes
 from ..store.manifest import FileRecord
 from ..store.partfile import encode_part, tensor_from_bytes
 from ..store.reader import Store
+from ..store.writer import write_encoded
 from .index import SliceRecord, checked, load_index, read_store_file
 
 COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj",
@@ -74,8 +73,8 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
             local = {n: slice_tensor(t, split_dim(n, t.ndim, family), rank, size, n) for n, t in tensors.items()}
             encoded = encode_part(local, None)
             name = tp_file(part, rank, size)
-            write_bytes_atomic(store.root / name, encoded.data)
-            index.files[name] = FileRecord(size=len(encoded.data), xxh3_128=checksum_bytes(encoded.data))
+            digest = write_encoded(store.root / name, encoded)
+            index.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
             index.slices += [
                 SliceRecord(tensor=n, part=part, rank=rank, count=size, split_dim=split_dim(n, tensors[n].ndim, family),
                             file=name, **r)

@@ -8,7 +8,6 @@ a Hub repo (untrusted index entries, strict headers, atomic metadata copies) liv
 from __future__ import annotations
 
 import json
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
 

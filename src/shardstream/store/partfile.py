@@ -6,15 +6,16 @@ under `<name>::absmax`; the manifest's `quant` entry says how to turn them back 
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from dataclasses import dataclass
 
-import safetensors.torch
 import torch
+import xxhash
 
 from .. import quant
-from ..safetensors_header import parse_header
-from .dtypes import TORCH_DTYPES
+from .dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from .manifest import TensorRecord
 
 ABSMAX_SUFFIX = "::absmax"
@@ -22,13 +23,26 @@ ABSMAX_SUFFIX = "::absmax"
 
 @dataclass
 class EncodedPart:
-    data: bytes
+    """A safetensors file as a list of buffers (header, then each tensor's own memory): writing it
+    needs no second copy of the part in memory."""
+
+    chunks: list[memoryview]
     records: dict[str, dict]   # tensor name -> TensorRecord fields except part/file/expert
     quantize_seconds: float
 
+    @property
+    def size(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def checksum(self) -> str:
+        hasher = xxhash.xxh3_128()
+        for chunk in self.chunks:
+            hasher.update(chunk)
+        return hasher.hexdigest()
+
 
 def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> EncodedPart:
-    """Serialize tensors (optionally quantized) and say where each one's bytes landed."""
+    """Lay out tensors (optionally quantized) as a safetensors file and say where each one lands."""
     payload: dict[str, torch.Tensor] = {}
     quant_meta: dict[str, dict] = {}
     quantize_seconds = 0.0
@@ -43,13 +57,23 @@ def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> En
             quant_meta[name] = dict(packed.meta)
         else:
             payload[name] = tensor
-    data = safetensors.torch.save(payload, metadata={"format": "pt"})
-    header = parse_header(data, len(data))
+    # widest dtypes first (as safetensors does), so every tensor starts aligned to its element size
+    order = sorted(payload, key=lambda k: (-payload[k].element_size(), k))
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    begin = 0
+    for key in order:
+        end = begin + payload[key].numel() * payload[key].element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[payload[key].dtype],
+                       "shape": list(payload[key].shape), "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = struct.pack("<Q", len(text)) + text
 
     def where(key: str) -> dict:
-        entry = header.tensors[key]
-        return {"dtype": entry.dtype, "shape": list(entry.shape),
-                "offset": header.data_start + entry.begin, "length": entry.nbytes}
+        first, last = header[key]["data_offsets"]
+        return {"dtype": header[key]["dtype"], "shape": header[key]["shape"],
+                "offset": len(prefix) + first, "length": last - first}
 
     records = {}
     for name in tensors:
@@ -57,7 +81,13 @@ def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> En
         if name in quant_meta:
             record["quant"] = {**quant_meta[name], "absmax": where(name + ABSMAX_SUFFIX)}
         records[name] = record
-    return EncodedPart(data, records, quantize_seconds)
+    chunks = [memoryview(prefix)] + [_raw_bytes(payload[key]) for key in order]
+    return EncodedPart(chunks, records, quantize_seconds)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's own memory as bytes, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def tensor_from_bytes(buffer: bytearray | memoryview, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:

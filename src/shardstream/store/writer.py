@@ -15,12 +15,21 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidOption
-from ..atomic import discard_temp_files, write_bytes_atomic
-from .checksum import checksum_bytes, checksum_file
+from ..atomic import discard_temp_files, write_chunks_atomic
+from .checksum import checksum_file
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
-from .partfile import encode_part
+from .partfile import EncodedPart, encode_part
 
 PART_FILE = "weights.safetensors"
+
+
+def write_encoded(path: Path, encoded: EncodedPart) -> str:
+    """Write atomically, read back, and return the checksum the file was verified against."""
+    digest = encoded.checksum()
+    write_chunks_atomic(path, encoded.chunks)
+    if checksum_file(path) != digest:
+        raise OSError(f"{path} reads back different from what was written; check the disk and re-run.")
+    return digest
 
 
 def part_file(part: str, piece: int | None = None) -> str:
@@ -86,11 +95,8 @@ class StoreWriter:
         encoded = encode_part(tensors, self.manifest.compression)
         name = part_file(part, piece)
         path = self.root / name
-        write_bytes_atomic(path, encoded.data)
-        digest = checksum_bytes(encoded.data)
-        if checksum_file(path) != digest:
-            raise OSError(f"{path} reads back different from what was written; check the disk and re-run.")
-        self.manifest.files[name] = FileRecord(size=len(encoded.data), xxh3_128=digest)
+        digest = write_encoded(path, encoded)
+        self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
         for tensor_name, fields in encoded.records.items():
             self.manifest.tensors[tensor_name] = TensorRecord(
                 part=part, file=name, expert=experts.get(tensor_name), **fields
@@ -99,7 +105,7 @@ class StoreWriter:
             self._mark_complete(part)
         self.manifest.save(self.root)
         elapsed = time.perf_counter() - started
-        return WriteTimings(encoded.quantize_seconds, elapsed - encoded.quantize_seconds, len(encoded.data))
+        return WriteTimings(encoded.quantize_seconds, elapsed - encoded.quantize_seconds, encoded.size)
 
     def _mark_complete(self, part: str) -> None:
         names = sorted(n for n, r in self.manifest.tensors.items() if r.part == part)

@@ -1,0 +1,288 @@
+"""The streaming model: transformers' own model built on `meta`, each block filled just before it runs.
+
+Forward pre-hooks on the decoder blocks put the block's weights in place (read ahead by the
+prefetcher) and forward hooks take them out again, so every architecture keeps its own attention,
+rotary embedding, masks and KV cache, and `generate()` works unchanged. Embeddings, final norm and
+head are used for every token and stay resident, as do the first blocks that fit the memory budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..errors import InvalidOption, StoreIncomplete, UnsupportedModel
+from ..store import Store
+from .loader import BlockLoader, LoadedBlock
+from .prefetch import DirectLoader, Prefetcher
+from .profile import Profile
+from .residency import choose_resident, resolve_budget
+from .resolve import ensure_store
+from .weights import Slots, WeightMapper, parameters_on_meta
+
+
+def build_meta_model(store: Store, dtype: torch.dtype | None) -> PreTrainedModel:
+    """transformers' model class for the store's config, with parameters on `meta`."""
+    try:
+        config = AutoConfig.from_pretrained(store.root)
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or _config_dtype(config))
+    except (ValueError, KeyError) as error:
+        raise UnsupportedModel(
+            f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
+            f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
+        ) from None
+    return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _check_files(store: Store) -> None:
+    """A deleted part file would otherwise surface only when its block is first needed."""
+    for name in store.manifest.files:
+        if not (store.root / name).is_file():
+            raise StoreIncomplete(
+                f"{store.root / name} is missing; re-run the `shardstream convert` that made this store to repair it."
+            )
+
+
+def _common_module(names: set[str]) -> str:
+    """The deepest module name that contains every one of these parameter names."""
+    split = [name.split(".")[:-1] for name in names]
+    prefix = os.path.commonprefix(split)
+    return ".".join(prefix)
+
+
+class StreamingModel:
+    """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`)."""
+
+    def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
+                 prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
+                 profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None):
+        if prefetch_depth < 1:
+            raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
+        _check_files(store)
+        self.store = store
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidOption("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'.")
+        self.profiling_mode = profiling_mode
+        self.profile = Profile()
+        self.model = build_meta_model(store, dtype)
+        self._buffers_to_device()
+        mapper = WeightMapper(self.model)
+        self._loader = BlockLoader(store, mapper, self.device, verify_checksums)
+        prefixes = self._block_prefixes(mapper)
+        self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
+        self._check_blocks(mapper)
+        self._fill_resident_parts(mapper, prefixes)
+        budget = resolve_budget(max_resident_memory, self._resident_slots.nbytes)
+        sizes = [s.nbytes for s in self._slots]
+        self.resident_blocks = choose_resident(sizes, budget, (prefetch_depth + 1) * max(sizes))
+        for index in self.resident_blocks:
+            self._fill(index, self._loader.load(index))
+        streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
+        self._source = (Prefetcher(self._loader.load, streamed, prefetch_depth) if prefetching and streamed
+                        else DirectLoader(self._loader.load))
+        self._active: tuple[int, LoadedBlock, float, float] | None = None
+        self._hooks = []
+        for index in streamed:
+            block = self.model.get_submodule(prefixes[index])
+            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before, index)))
+            self._hooks.append(block.register_forward_hook(functools.partial(self._after, index)))
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _buffers_to_device(self) -> None:
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(self.device)
+
+    def _block_prefixes(self, mapper: WeightMapper) -> list[str]:
+        if self.store.num_layers == 0:
+            raise UnsupportedModel(
+                f"the store at {self.store.root} has no per-block parts (model_type "
+                f"{self.store.config.get('model_type')!r} was stored one tensor per part); streaming needs blocks."
+            )
+        prefixes = []
+        for index in range(self.store.num_layers):
+            names = mapper.target_names(self.store.tensor_names(f"mid/{index}"))
+            prefix = _common_module(names) if names else ""
+            if not prefix:
+                raise UnsupportedModel(
+                    f"part mid/{index} of the store at {self.store.root} does not map onto one module of "
+                    f"{type(self.model).__name__}; this architecture cannot be streamed."
+                )
+            prefixes.append(prefix)
+        return prefixes
+
+    def _check_blocks(self, mapper: WeightMapper) -> None:
+        """Every block's parameters must come from its part, or the forward pass would meet meta tensors."""
+        for index, slots in enumerate(self._slots):
+            missing = slots.names - mapper.target_names(self.store.tensor_names(f"mid/{index}"))
+            if missing:
+                raise UnsupportedModel(
+                    f"part mid/{index} of the store at {self.store.root} lacks {sorted(missing)[:3]}; "
+                    "re-convert the checkpoint with this transformers version."
+                )
+
+    def _fill_resident_parts(self, mapper: WeightMapper, prefixes: list[str]) -> None:
+        """Embeddings, final norm, head (and anything else outside the blocks) stay in memory."""
+        self._resident_slots = Slots(self.model, exclude=tuple(prefixes))
+        parts = [p for p in self.store.parts if not p.startswith("mid/")]
+        tensors = self._loader.read(parts)
+        for alias, info in self.store.manifest.aliases.items():  # one tensor in memory for tied weights
+            if info["target"] in tensors:
+                tensors[alias] = tensors[info["target"]]
+        params = mapper.convert(tensors)
+        for tied, source in getattr(self.model, "all_tied_weights_keys", {}).items():
+            if tied not in params and source in params:
+                params[tied] = params[source]
+        missing = self._resident_slots.names - params.keys()
+        if missing:
+            raise UnsupportedModel(
+                f"the store at {self.store.root} lacks {sorted(missing)[:3]} outside the blocks; "
+                "re-convert the checkpoint with this transformers version."
+            )
+        self._resident_slots.fill({n: t.to(self.device) for n, t in params.items() if n in self._resident_slots.names})
+
+    def _fill(self, index: int, block: LoadedBlock) -> None:
+        block.wait()
+        self._slots[index].fill(block.params)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _before(self, index: int, module, args) -> None:
+        if self._active is not None:  # the previous pass stopped inside a block (an exception)
+            self._release()
+        block, waited = self._source.get(index)
+        self._fill(index, block)
+        self._active = (index, block, waited, time.perf_counter())
+
+    def _after(self, index: int, module, args, output) -> None:
+        if self.profiling_mode and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._release()
+
+    def _release(self) -> None:
+        index, block, waited, started = self._active
+        self._active = None
+        self._slots[index].empty()
+        block.params.clear()  # the memory must be free before the reader may start the next block
+        self._source.release()
+        self.profile.record(index, block.read_seconds, waited, time.perf_counter() - started)
+
+    # -- the transformers surface ------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """One forward pass (transformers' semantics: `.logits`, `past_key_values` ...)."""
+        self.check_length(input_ids, 0)
+        with torch.no_grad(), self._profiled():
+            return self.model(input_ids=input_ids, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """transformers' `generate`: greedy or sampling, KV cache, attention masks, streamers."""
+        new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
+        self.check_length(input_ids, new_tokens)
+        with self._profiled():
+            return self.model.generate(input_ids=input_ids, **kwargs)
+
+    def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
+        """Refuse a prompt (plus the tokens to generate) longer than the model's context."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if input_ids is None or not limit:
+            return
+        length = input_ids.shape[-1]
+        if length > limit:
+            raise InvalidOption(
+                f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
+                f"is {limit}; shorten the prompt."
+            )
+        if length + new_tokens > limit:
+            raise InvalidOption(
+                f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
+                f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
+            )
+
+    @contextlib.contextmanager
+    def _profiled(self) -> Iterator[None]:
+        """Timings of one call; printed to stderr in profiling mode."""
+        self.profile.reset()
+        yield
+        if self.profiling_mode:
+            print(self.profile.table(), file=sys.stderr)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._source.close()
+
+    def __enter__(self) -> StreamingModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AutoModel:
+    """`AutoModel.from_pretrained(...)`: convert if needed, then stream."""
+
+    @staticmethod
+    def from_pretrained(
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        layer_shards_saving_path: str | os.PathLike | None = None,
+        sequential_shard_processing: bool = False,
+        compression: str | None = None,
+        delete_original: bool = False,
+        profiling_mode: bool = False,
+        prefetching: bool = True,
+        prefetch_depth: int = 1,
+        device: str | torch.device = "cpu",
+        max_resident_memory: int | str | None = "auto",
+        verify_checksums: bool = True,
+        dtype: torch.dtype | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        progress: bool = True,
+    ) -> StreamingModel:
+        """Open (or first convert into) the store, then build the streaming model over it.
+
+        `pretrained_model_name_or_path` is a Hub id, an HTTP(S) base URL, a checkpoint folder or a
+        store folder; `layer_shards_saving_path` is where the store lives (default
+        ~/.cache/shardstream/<slug>). The converter options apply only when a conversion runs.
+        """
+        store = ensure_store(
+            pretrained_model_name_or_path, layer_shards_saving_path,
+            sequential_shard_processing=sequential_shard_processing, compression=compression,
+            delete_original=delete_original, profiling_mode=profiling_mode,
+            token=token, revision=revision, progress=progress,
+        )
+        return StreamingModel(
+            store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
+            max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
+            verify_checksums=verify_checksums, dtype=dtype,
+        )

@@ -1,0 +1,58 @@
+"""Text in, text out around a streaming model: tokenizer, chat prompt, sampling options.
+
+Shared by the `generate` command and the OpenAI-compatible server so both sample the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ..errors import InvalidOption, StoreIncomplete
+from .model import StreamingModel
+
+
+def load_tokenizer(model: StreamingModel) -> PreTrainedTokenizerBase:
+    """The tokenizer files the converter copied into the store."""
+    try:
+        return AutoTokenizer.from_pretrained(model.store.root)
+    except (OSError, ValueError) as error:
+        raise StoreIncomplete(
+            f"the store at {model.store.root} has no usable tokenizer files ({error}); "
+            "copy tokenizer.json and tokenizer_config.json from the checkpoint into it."
+        ) from None
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The tokenizer's chat template when it has one, else 'role: content' lines."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def sampling_options(max_new_tokens: int, temperature: float, top_p: float,
+                     tokenizer: PreTrainedTokenizerBase) -> dict:
+    """generate() keyword arguments; temperature 0 means greedy."""
+    if max_new_tokens < 1:
+        raise InvalidOption(f"max new tokens must be at least 1, not {max_new_tokens}.")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise InvalidOption(f"temperature must be >= 0 and top_p in (0, 1], not {temperature} and {top_p}.")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad)
+    if temperature == 0:
+        return {**options, "do_sample": False}
+    return {**options, "do_sample": True, "temperature": temperature, "top_p": top_p}
+
+
+def set_seed(seed: int | None) -> None:
+    """Sampling draws from torch's global generator; seed it right before generating."""
+    if seed is not None:
+        torch.manual_seed(seed)
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> dict[str, torch.Tensor]:
+    if not prompt:
+        raise InvalidOption("the prompt is empty; give some text to continue.")
+    encoded = tokenizer(prompt, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}

@@ -1,0 +1,238 @@
+"""Streaming runtime against transformers' own model on the same weights (fp32, max abs diff <= 1e-5)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from shardstream.convert import convert
+from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
+from shardstream.store import open_store
+from shardstream.stream import AutoModel, StreamingModel
+from shardstream.stream.loader import LoadedBlock
+from shardstream.stream.prefetch import Prefetcher
+from shardstream.stream.residency import choose_resident, resolve_budget
+from tiny_models import save_checkpoint
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
+TOLERANCE = 1e-5
+
+
+def _prompts(batch: int = 2, length: int = 9, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=generator)
+
+
+def _make(tmp: Path, family: str, compression: str | None = None):
+    reference = save_checkpoint(family, tmp / "ckpt")
+    convert(tmp / "ckpt", tmp / "store", compression=compression, progress=False)
+    return reference, tmp / "store"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A converted tiny llama store and its reference model, shared by the tests that only read it."""
+    return _make(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, family):
+    reference, _ = _make(tmp_path, family)
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    with AutoModel.from_pretrained(tmp_path / "ckpt", layer_shards_saving_path=tmp_path / "store",
+                                   max_resident_memory=0, progress=False) as model:
+        assert model.resident_blocks == []
+        with torch.no_grad():
+            expected = reference(ids, attention_mask=mask).logits
+        assert (model(ids, attention_mask=mask).logits - expected).abs().max().item() <= TOLERANCE
+        want = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+
+
+def _dequantized_reference(store_path: Path, folder: Path):
+    """transformers' from_pretrained over a checkpoint holding the store's dequantized weights."""
+    store = open_store(store_path)
+    tensors = {}
+    for part in store.parts:
+        tensors.update(store.load(part))
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(store.config))
+    save_file({n: t.contiguous() for n, t in tensors.items() if n not in store.manifest.aliases},
+              str(folder / "model.safetensors"))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family,compression", [("llama", "4bit"), ("mixtral", "8bit")])
+def test_quantized_store_matches_the_dequantized_reference(tmp_path, family, compression):
+    original, store_path = _make(tmp_path, family, compression)
+    reference = _dequantized_reference(store_path, tmp_path / "dequantized")
+    ids = _prompts()
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        got = model(ids).logits
+        with torch.no_grad():
+            assert (got - reference(ids).logits).abs().max().item() <= TOLERANCE
+            assert (got - original(ids).logits).abs().max().item() > 1e-4  # quantization did change the weights
+        want = reference.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0), want)
+
+
+def test_left_padded_batch_matches_the_reference(llama):
+    reference, store_path = llama
+    ids = _prompts(batch=3, length=8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    options = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        assert torch.equal(model.generate(ids, **options), reference.generate(ids, **options))
+        with torch.no_grad():
+            expected = reference(ids, attention_mask=mask).logits
+        diff = (model(ids, attention_mask=mask).logits - expected)[mask.bool()]
+        assert diff.abs().max().item() <= TOLERANCE
+
+
+def test_each_generated_token_streams_each_block_once(llama):
+    _, store_path = llama
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        model.generate(_prompts(batch=1), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert sorted(model.profile.blocks) == [0, 1, 2, 3]
+        assert {t.passes for t in model.profile.blocks.values()} == {5}  # prefill + 4 cached decode steps
+
+
+def test_resident_blocks_stay_and_are_not_streamed(llama):
+    reference, store_path = llama
+    ids = _prompts()
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as probe:
+        block = probe._slots[0].nbytes
+    with AutoModel.from_pretrained(store_path, max_resident_memory=4 * block - 1) as model:  # 1 resident + 2 streaming
+        assert model.resident_blocks == [0]
+        with torch.no_grad():
+            assert (model(ids).logits - reference(ids).logits).abs().max().item() <= TOLERANCE
+        assert sorted(model.profile.blocks) == [1, 2, 3]
+    with AutoModel.from_pretrained(store_path) as model:  # "auto": a tiny model fits entirely
+        assert model.resident_blocks == [0, 1, 2, 3]
+
+
+def test_budget_and_choice_of_resident_blocks():
+    assert choose_resident([10, 10, 10], 25) == [0, 1]
+    assert choose_resident([10, 30, 10], 25) == [0]
+    assert choose_resident([10, 10, 10], 30, streaming_bytes=20) == [0, 1, 2]  # all fit: nothing streams
+    assert choose_resident([10, 10, 10, 10], 30, streaming_bytes=20) == [0]
+    assert resolve_budget(0, 5) == 0
+    assert 0 < resolve_budget("auto", 0)
+    with pytest.raises(InvalidOption, match="max_resident_memory"):
+        resolve_budget(-1, 0)
+
+
+def test_profiling_mode_prints_per_block_times(llama, capsys):
+    _, store_path = llama
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0, profiling_mode=True) as model:
+        model(_prompts())
+    printed = capsys.readouterr().err
+    assert "| 3 | 1 |" in printed and "read time hidden behind compute" in printed
+
+
+def test_without_prefetching_results_are_the_same(llama):
+    reference, store_path = llama
+    ids = _prompts()
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0, prefetching=False) as model:
+        with torch.no_grad():
+            assert (model(ids).logits - reference(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def test_prefetch_keeps_at_most_depth_plus_one_blocks_and_hides_reads():
+    """Reads of 10 ms behind 30 ms of compute: nearly all hidden, never more than depth+1 in memory."""
+    in_memory, peak, lock = 0, 0, threading.Lock()
+
+    def load(index: int) -> LoadedBlock:
+        nonlocal in_memory, peak
+        with lock:
+            in_memory += 1
+            peak = max(peak, in_memory)
+        time.sleep(0.01)
+        return LoadedBlock(index, {}, 0.01)
+
+    for depth in (1, 2):
+        in_memory, peak = 0, 0
+        prefetcher = Prefetcher(load, [0, 1, 2, 3], depth)
+        waited = 0.0
+        for _ in range(3):
+            for index in range(4):
+                _, wait = prefetcher.get(index)
+                waited += wait
+                time.sleep(0.03)
+                with lock:
+                    in_memory -= 1
+                prefetcher.release()
+        prefetcher.close()
+        assert peak <= depth + 1
+        assert waited < 0.2 * 12 * 0.01 + 0.012  # only the very first read is not hidden
+
+
+def test_a_load_error_reaches_the_forward_pass():
+    def load(index: int) -> LoadedBlock:
+        if index == 1:
+            raise StoreCorrupt("mid/1 fails its checksum")
+        return LoadedBlock(index, {}, 0.0)
+
+    prefetcher = Prefetcher(load, [0, 1], 1)
+    prefetcher.get(0)
+    prefetcher.release()
+    with pytest.raises(StoreCorrupt, match="mid/1"):
+        prefetcher.get(1)
+    prefetcher.close()
+
+
+def test_an_existing_store_is_reused_not_reconverted(llama, tmp_path):
+    _, store_path = llama
+    before = (store_path / "manifest.json").stat().st_mtime_ns
+    AutoModel.from_pretrained(store_path.parent / "ckpt", layer_shards_saving_path=store_path).close()
+    assert (store_path / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_corrupt_block_fails_its_checksum_on_first_use(tmp_path):
+    _, store_path = _make(tmp_path, "llama")
+    store = open_store(store_path)
+    name = store.manifest.parts["mid/2"].files[0]
+    data = bytearray((store_path / name).read_bytes())
+    data[-1] ^= 0xFF
+    (store_path / name).write_bytes(bytes(data))
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        with pytest.raises(StoreCorrupt, match="checksum"):
+            model(_prompts())
+
+
+def test_missing_part_file_is_reported_before_running(tmp_path):
+    _, store_path = _make(tmp_path, "llama")
+    store = open_store(store_path)
+    (store_path / store.manifest.parts["mid/1"].files[0]).unlink()
+    with pytest.raises(StoreIncomplete, match="shardstream convert"):
+        AutoModel.from_pretrained(store_path, max_resident_memory=0)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    _, store_path = _make(tmp_path, "llama")
+    config = json.loads((store_path / "config.json").read_text())
+    config["model_type"] = "no_such_architecture"
+    (store_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="no_such_architecture"):
+        StreamingModel(open_store(store_path))
+
+
+def test_prompt_longer_than_the_context_is_refused(llama):
+    _, store_path = llama
+    with AutoModel.from_pretrained(store_path) as model:
+        with pytest.raises(InvalidOption, match="shorten the prompt"):
+            model(_prompts(batch=1, length=65))
+        with pytest.raises(InvalidOption, match="at most 4 new tokens"):
+            model.generate(_prompts(batch=1, length=60), max_new_tokens=10)

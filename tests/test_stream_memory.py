@@ -1,0 +1,62 @@
+"""Pure streaming keeps peak RSS near two blocks, for a model whose weights are 3x that bound.
+
+Measured in a fresh subprocess (VmHWM, reset after loading, since a child inherits the peak of
+the parent that forked it): after loading the resident parts: the growth of RSS while
+generating must stay within the blocks in flight (one computing + one prefetched) plus a fixed
+allowance for KV cache, activations and allocator slack. The page cache is not part of RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardstream.convert import convert
+
+LAYERS, HIDDEN, INTERMEDIATE = 9, 1024, 4096
+SLACK = 40 * 2**20  # KV cache, activations, allocator and thread overhead
+
+PROBE = textwrap.dedent("""
+    import json, re, sys
+    import psutil, torch
+    from shardstream.stream import AutoModel
+    model = AutoModel.from_pretrained(sys.argv[1], max_resident_memory=0)
+    baseline = psutil.Process().memory_info().rss
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM), inherited from the forking parent
+        f.write("5")
+    ids = torch.arange(3, 19).unsqueeze(0)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with open("/proc/self/status") as f:
+        peak = int(re.search(r"VmHWM:\s+(\d+) kB", f.read())[1]) * 1024
+    block = max(s.nbytes for s in model._slots)
+    print(json.dumps({"baseline": baseline, "peak": peak, "block": block, "blocks": len(model._slots),
+                      "passes": model.profile.total.passes}))
+""")
+
+
+def test_peak_rss_stays_within_two_blocks(tmp_path):
+    config = AutoConfig.for_model(
+        "llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=8, num_key_value_heads=8, vocab_size=256, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="200MB")
+    del model
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+
+    run = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    bound = 2 * result["block"] + SLACK
+    weights = result["blocks"] * result["block"]
+    assert weights >= 3 * bound
+    assert result["passes"] == 3 * LAYERS  # really streamed: every block, every token
+    assert result["peak"] - result["baseline"] <= bound, result
