@@ -42,7 +42,8 @@ def main() -> None:
     shardstream("inspect", str(store))
     shardstream("verify", str(store))
     shardstream("generate", str(store), "--prompt", args.prompt,
-                "--max-new-tokens", str(args.max_new_tokens), "--max-resident-memory", "0")
+                "--max-new-tokens", str(args.max_new_tokens), "--max-resident-memory", "0",
+                "--temperature", "0.8", "--top-p", "0.95", "--seed", "0")
 
 
 if __name__ == "__main__":

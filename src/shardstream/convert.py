@@ -376,7 +376,6 @@ def profile_table(report: ConvertReport) -> str:
             setattr(total, key, getattr(total, key) + getattr(p, key))
     rows.append(f"{'total':<10} {total.read_seconds:7.3f} {total.wait_seconds:8.3f} "
                 f"{total.quantize_seconds:8.3f} {total.write_seconds:8.3f} {total.bytes_written / 1e6:8.2f}")
-    rows.append(report.summary())
     return "\n".join(rows)
 
 
