@@ -169,11 +169,14 @@ def relocate(
 def _mount_subcommands() -> None:
     """Commands whose code lives with their capability."""
     from .data.cli import data_app, train_command
+    from .pipeline.cli import agent_command, coordinator_command
     from .stream.cli import generate_command, serve_command
 
     app.command("generate", help="Generate text from a store, streaming layers; tokens print as they come.")(generate_command)
     app.command("serve", help="Serve a store over an OpenAI-compatible HTTP API.")(serve_command)
 
+    app.command("agent", help="Run a pipeline agent on this device.")(agent_command)
+    app.command("coordinator", help="Profile agents, plan, ship stages and generate across them.")(coordinator_command)
     app.command("train", help="Train a causal LM on a dataset streamed in blocks and chunks.")(train_command)
     app.add_typer(data_app, name="data", help="Inspect and move the training-data tracker.")
 

@@ -68,3 +68,7 @@ class WorkerFailed(ShardstreamError, RuntimeError):
 
 class PlanInfeasible(ShardstreamError, ValueError):
     """No split of the model's blocks over the devices fits their memory budgets."""
+
+
+class AuthenticationFailed(ShardstreamError, PermissionError):
+    """A pipeline agent or coordinator refused the bearer token."""

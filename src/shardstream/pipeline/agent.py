@@ -1,0 +1,171 @@
+"""The agent: a FastAPI control plane on each device plus the ZeroMQ data plane of its stage.
+
+Control (bearer token on every endpoint): health, capabilities, profiles, pings, loading and
+unloading a stage. Data: one thread receives activations, runs the loaded stage and pushes the
+result on. A stage is loaded `metadata_only` (downloaded, verified, cached) or materialized.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+import zmq
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from ..errors import InvalidOption, ShardstreamError
+from ..store import open_store
+from . import measure
+from .download import fetch_stage, remove_stage
+from .package import STAGE_MANIFEST
+from .stage import StageModel
+from .transport import Inbox, Outbox, serve_stage
+
+
+class LoadRequest(BaseModel):
+    url: str
+    stage_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    epoch: int = Field(ge=0)
+    metadata_only: bool = True
+
+
+class ProfileRequest(BaseModel):
+    size: int = Field(256, ge=16, le=8192)
+    repeats: int = Field(10, ge=1, le=1000)
+
+
+class BlockProfileRequest(BaseModel):
+    hidden_size: int = Field(ge=1, le=65536)
+    intermediate_size: int = Field(ge=1, le=262144)
+    tokens: int = Field(1, ge=1, le=4096)
+    repeats: int = Field(10, ge=1, le=1000)
+
+
+class PingRequest(BaseModel):
+    peers: list[str]
+    timeout: float = Field(2.0, gt=0, le=30)
+
+
+@dataclass
+class Loaded:
+    stage_id: str
+    epoch: int
+    first: int
+    last: int
+    model: StageModel | None
+
+
+class Agent:
+    """The state behind both planes: the loaded stage, swapped under a lock, and the data thread."""
+
+    def __init__(self, name: str, token: str, cache: Path, data_port: int):
+        self.name, self.token, self.cache = name, token, Path(cache)
+        self.loaded: Loaded | None = None
+        self._lock = threading.Lock()
+        self._context = zmq.Context()
+        self._inbox = Inbox(self._context, f"tcp://*:{data_port}")
+        self.data_port = self._inbox.port
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name="data-plane", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        outbox = Outbox(self._context)
+        try:
+            serve_stage(self._inbox, outbox, self.compute, lambda: self._running, self.name)
+        finally:
+            outbox.close()
+            self._inbox.close()
+
+    def compute(self, header: dict, tensor: torch.Tensor) -> torch.Tensor | None:
+        loaded = self.loaded
+        if loaded is None or loaded.model is None:
+            raise InvalidOption("it has no materialized stage; load one with metadata_only false")
+        if header["epoch"] != loaded.epoch:
+            raise InvalidOption(f"it runs plan epoch {loaded.epoch}, not {header['epoch']}; re-send on the current plan")
+        if header["kind"] == "end":
+            loaded.model.end(header["session"])
+            return None
+        return loaded.model.forward(header["session"], header["position"], tensor)
+
+    def load(self, request: LoadRequest, headers: dict[str, str]) -> dict:
+        with httpx.Client(headers=headers, timeout=60.0) as client:
+            folder, downloaded = fetch_stage(request.url, request.stage_id, self.cache, client)
+        stage = _stage_range(folder)
+        with self._lock:  # the old stage's memory goes before the new one is built
+            self.loaded = None
+            model = None if request.metadata_only else StageModel(open_store(folder), *stage)
+            self.loaded = Loaded(request.stage_id, request.epoch, *stage, model)
+        return {"stage_id": request.stage_id, "downloaded_bytes": downloaded, "first": stage[0], "last": stage[1],
+                "materialized": model is not None, "data_port": self.data_port}
+
+    def unload(self, forget: bool) -> dict:
+        with self._lock:
+            loaded, self.loaded = self.loaded, None
+        if loaded and forget:
+            remove_stage(self.cache, loaded.stage_id)
+        return {"unloaded": loaded.stage_id if loaded else None}
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join()
+        self._context.term()
+
+
+def _stage_range(folder: Path) -> tuple[int, int]:
+    body = json.loads((folder / STAGE_MANIFEST).read_text())
+    return body["first"], body["last"]
+
+
+def create_agent_app(agent: Agent) -> FastAPI:
+    def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {agent.token}".encode()):
+            raise HTTPException(401, f"agent {agent.name} needs 'Authorization: Bearer <token>' with its --token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title=f"shardstream agent {agent.name}", dependencies=[Depends(authorized)])
+
+    @app.exception_handler(ShardstreamError)
+    async def _user_error(request: Request, error: ShardstreamError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": f"agent {agent.name}: {error}"})
+
+    @app.get("/v1/health")
+    def health() -> dict:
+        loaded = agent.loaded
+        return {"name": agent.name, "ok": True, "stage_id": loaded.stage_id if loaded else None,
+                "epoch": loaded.epoch if loaded else None}
+
+    @app.get("/v1/capabilities")
+    def capabilities() -> dict:
+        return {"name": agent.name, "data_port": agent.data_port, **measure.capabilities()}
+
+    @app.post("/v1/profile/matmul")
+    def profile_matmul(request: ProfileRequest) -> dict:
+        return {"gflops": measure.matmul_gflops(request.size, request.repeats)}
+
+    @app.post("/v1/profile/block")
+    def profile_block(request: BlockProfileRequest) -> dict:
+        gflops = measure.block_gflops(request.hidden_size, request.intermediate_size, request.tokens, request.repeats)
+        return {"gflops": gflops}
+
+    @app.post("/v1/net/ping")
+    def net_ping(request: PingRequest) -> dict:
+        return {"rtt_seconds": measure.ping(request.peers, {"Authorization": f"Bearer {agent.token}"}, request.timeout)}
+
+    @app.post("/v1/stage/load")
+    def stage_load(request: LoadRequest) -> dict:
+        return agent.load(request, {"Authorization": f"Bearer {agent.token}"})
+
+    @app.post("/v1/stage/unload")
+    def stage_unload(forget: bool = False) -> dict:
+        return agent.unload(forget)
+
+    return app

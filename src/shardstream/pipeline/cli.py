@@ -1,0 +1,126 @@
+"""`shardstream agent` and `shardstream coordinator`; the lead mounts both on the main typer app.
+
+`python -m shardstream.pipeline.cli agent ...` runs them without the main app (tests, scripts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import InvalidOption
+
+Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
+                                    envvar="SHARDSTREAM_TOKEN")]
+
+
+def agent_command(
+    name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.")],
+    token: Token,
+    port: Annotated[int, typer.Option(help="Control-plane HTTP port.")] = 8008,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1).")] = None,
+    cache_dir: Annotated[Path, typer.Option(help="Where downloaded stages are kept.")] = Path.home() / ".cache" / "shardstream" / "stages",
+    advertise: Annotated[bool, typer.Option("--advertise", help="Announce this agent by mDNS (needs zeroconf).")] = False,
+) -> None:
+    """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
+    import uvicorn
+
+    from .agent import Agent, create_agent_app
+
+    if not token:
+        raise InvalidOption("--token is empty; give the agent a shared secret (or set SHARDSTREAM_TOKEN).")
+    announcer = None
+    if advertise:
+        from .discovery import advertise as announce
+
+        announcer = announce(name, port)
+    agent = Agent(name, token, cache_dir, port + 1 if data_port is None else data_port)
+    try:
+        uvicorn.run(create_agent_app(agent), host=host, port=port, log_level="warning")
+    finally:
+        agent.close()
+        if announcer is not None:
+            announcer.close()
+
+
+def coordinator_command(
+    model: Annotated[Path, typer.Option(help="The store folder (output of `shardstream convert`).")],
+    token: Token,
+    urls: Annotated[Optional[str], typer.Option(help="Comma-separated agent URLs, e.g. http://pi.local:8008.")] = None,
+    discover: Annotated[float, typer.Option(help="Also look for agents by mDNS for this many seconds.")] = 0.0,
+    pipeline_order: Annotated[Optional[str], typer.Option(help="Comma-separated agent names in stage order.")] = None,
+    mem_fraction: Annotated[float, typer.Option(help="Share of each agent's available RAM the plan may use.")] = 0.5,
+    min_prefix: Annotated[int, typer.Option(help="Blocks the first stage holds at least.")] = 0,
+    context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048,
+    objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency",
+    package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
+    work_dir: Annotated[Path, typer.Option(help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline"),
+    serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions here and keep running.")] = None,
+    host: Annotated[str, typer.Option(help="Address the coordinator listens on.")] = "0.0.0.0",
+    generate: Annotated[Optional[str], typer.Option(help="Generate from this prompt, print it, exit.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 50,
+) -> None:
+    """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
+    from transformers import TextStreamer
+
+    from ..store import open_store
+    from ..stream.text import encode, load_tokenizer, sampling_options
+    from .client import AgentClient
+    from .coordinator import Coordinator, CoordinatorOptions, advertise_host
+    from .discovery import discover as find
+    from .generation import PipelineModel
+    from .server import BackgroundServer, coordinator_app
+
+    found = [u for u in (urls or "").split(",") if u] + (find(discover) if discover else [])
+    store = open_store(model)
+    options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
+                                 pipeline_order.split(",") if pipeline_order else None)
+    coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
+    try:
+        coordinator.profile()
+        if not (package or generate or serve_port):
+            typer.echo(coordinator.save_plan(list(coordinator.agents)).table())
+            return
+        pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
+        tokenizer = load_tokenizer(pipeline) if generate or serve_port else None
+        server = BackgroundServer(coordinator_app(pipeline, tokenizer, str(model), work_dir / "stages", token),
+                                  host, serve_port or 0)
+        try:
+            coordinator.stage_url = f"http://{pipeline.reply_host}:{server.port}/stages/"
+            typer.echo(coordinator.deploy().plan.table())
+            if generate:
+                inputs = encode(tokenizer, generate)
+                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                pipeline.generate(inputs["input_ids"], streamer=streamer,
+                                  **sampling_options(max_new_tokens, 0.0, 1.0, tokenizer))
+            if serve_port:
+                typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer token required)")
+                server.wait()
+        finally:
+            server.stop()
+            pipeline.close()
+    finally:
+        coordinator.close()
+
+
+def main() -> None:
+    """`python -m shardstream.pipeline.cli agent|coordinator ...`, errors printed as one line."""
+    import sys
+
+    from ..errors import ShardstreamError
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command("agent")(agent_command)
+    app.command("coordinator")(coordinator_command)
+    try:
+        app()
+    except ShardstreamError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

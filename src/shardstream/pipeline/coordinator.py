@@ -1,0 +1,166 @@
+"""The coordinator: profile the agents, plan, package and deploy stages, and re-plan when one is lost.
+
+Each deployment is a plan epoch; messages of an older epoch are refused by the agents, so a stage
+of a replaced plan can never mix its KV cache into a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from ..errors import InvalidOption, PlanInfeasible
+from ..store import Store
+from .client import AgentClient
+from .costs import activation_bytes, device_from_profile, model_cost
+from .package import package_plan
+from .planner import LAN, Link, Plan, PlanOptions, plan
+
+log = logging.getLogger(__name__)
+PROFILE_BLOCK_LIMIT = 64 * 2**20  # bytes of block-shaped weights a profile may allocate on an agent
+
+
+@dataclass
+class CoordinatorOptions:
+    work_dir: Path
+    mem_fraction: float = 0.5
+    context_length: int = 2048
+    min_prefix: int = 0
+    objective: str = "latency"
+    pipeline_order: list[str] | None = None
+
+
+@dataclass
+class Profile:
+    """What planning needs to know about one agent."""
+
+    available_bytes: int
+    gflops: float
+    data_port: int
+    rtt_seconds: dict[str, float] = field(default_factory=dict)  # to each other agent, by name
+
+
+@dataclass
+class Route:
+    """A deployed plan: the epoch, and for each stage its agent and data endpoint, in order."""
+
+    epoch: int
+    plan: Plan
+    agents: list[AgentClient]
+    endpoints: list[str]
+
+
+class Coordinator:
+    def __init__(self, store: Store, agents: list[AgentClient], options: CoordinatorOptions):
+        if not 0 < options.mem_fraction <= 1:
+            raise InvalidOption(f"--mem-fraction must be in (0, 1], not {options.mem_fraction}.")
+        if not agents:
+            raise InvalidOption("no agents: give --urls or --discover.")
+        self.store, self.options = store, options
+        self.agents = {}
+        for agent in agents:
+            agent.name = agent.get("/v1/capabilities", timeout=10)["name"]
+            if agent.name in self.agents:
+                raise InvalidOption(f"two agents are named {agent.name!r} ({self.agents[agent.name].url}, {agent.url}); "
+                                    "start them with different --name.")
+            self.agents[agent.name] = agent
+        self.cost = model_cost(store)
+        self.profiles: dict[str, Profile] = {}
+        self.route: Route | None = None
+        self.stage_url = ""  # set once the stage server listens
+
+    # -- measuring and planning --------------------------------------------------------------
+
+    def profile(self) -> dict[str, Profile]:
+        """Capabilities, a block-shaped compute profile and round trips, from every agent."""
+        config = AutoConfig.from_pretrained(self.store.root)
+        hidden = config.hidden_size
+        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        scale = min(1.0, (PROFILE_BLOCK_LIMIT / (4 * (4 * hidden * hidden + 3 * hidden * intermediate))) ** 0.5)
+        shape = {"hidden_size": max(16, int(hidden * scale)), "intermediate_size": max(16, int(intermediate * scale))}
+        urls = {agent.url: name for name, agent in self.agents.items()}
+        for name, agent in self.agents.items():
+            capabilities = agent.get("/v1/capabilities")
+            gflops = agent.post("/v1/profile/block", shape, timeout=120)["gflops"]
+            others = [url for url in urls if url != agent.url]
+            rtt = agent.post("/v1/net/ping", {"peers": others})["rtt_seconds"] if others else {}
+            self.profiles[name] = Profile(capabilities["ram_available_bytes"], gflops, capabilities["data_port"],
+                                          {urls[u]: t for u, t in rtt.items() if t is not None})
+        return self.profiles
+
+    def make_plan(self, names: list[str]) -> Plan:
+        """The best plan over these agents (in --pipeline-order where given)."""
+        activations = activation_bytes(self.store, self.options.context_length)
+        devices = [device_from_profile(n, self.profiles[n].available_bytes, self.profiles[n].gflops,
+                                       self.options.mem_fraction, activations) for n in names]
+        order = [n for n in (self.options.pipeline_order or names) if n in names]
+        missing = set(self.options.pipeline_order or []) - set(self.agents)
+        if missing:
+            raise InvalidOption(f"--pipeline-order names {sorted(missing)}, which no agent is called; use {sorted(self.agents)}.")
+        order += [n for n in names if n not in order]
+        links = {(a, b): Link(rtt / 2, LAN.bandwidth_bytes_per_s)
+                 for a in names for b, rtt in self.profiles[a].rtt_seconds.items() if b in names}
+        options = PlanOptions(self.options.context_length, order, self.options.min_prefix,
+                              self.options.objective, links)
+        return plan(self.cost, devices, options)
+
+    def save_plan(self, names: list[str]) -> Plan:
+        """`make_plan`, also written to <work dir>/plan.json."""
+        chosen = self.make_plan(names)
+        self.options.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.options.work_dir / "plan.json").write_text(chosen.to_json())
+        return chosen
+
+    # -- deploying ---------------------------------------------------------------------------
+
+    def deploy(self, names: list[str] | None = None) -> Route:
+        """Plan on these agents (default: all), package the stages and have each agent load its own."""
+        if not self.stage_url:
+            raise AssertionError("the stage server must listen before deploying")
+        chosen = self.save_plan(names or list(self.agents))
+        epoch = self.route.epoch + 1 if self.route else 0
+        packages = package_plan(self.store, chosen, self.options.work_dir / "stages")
+        agents = [self.agents[s.device] for s in chosen.stages]
+
+        def load(pair) -> None:
+            agent, package = pair
+            body = {"url": f"{self.stage_url}{package.stage_id}/", "stage_id": package.stage_id,
+                    "epoch": epoch, "metadata_only": False}
+            agent.post("/v1/stage/load", body, timeout=600)
+
+        with ThreadPoolExecutor(len(agents)) as pool:
+            list(pool.map(load, zip(agents, packages)))
+        endpoints = [f"tcp://{a.host}:{self.profiles[a.name].data_port}" for a in agents]
+        self.route = Route(epoch, chosen, agents, endpoints)
+        return self.route
+
+    def recover(self, lost: str) -> Route:
+        """Drop a lost agent and deploy a new plan on the ones left, or say why that cannot work."""
+        log.warning("agent %s was lost; re-planning on the others", lost)
+        self.agents.pop(lost, None)
+        if not self.agents:
+            raise PlanInfeasible(f"agent {lost} was lost and no agents are left; start agents and retry.")
+        try:
+            return self.deploy(list(self.agents))
+        except PlanInfeasible as error:
+            raise PlanInfeasible(f"agent {lost} was lost and the agents left ({', '.join(self.agents)}) cannot hold "
+                                 f"the model: {error}") from None
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+
+
+def advertise_host(agent_host: str) -> str:
+    """This machine's address as the agent at `agent_host` would reach it (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((agent_host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

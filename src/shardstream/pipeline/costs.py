@@ -1,0 +1,66 @@
+"""What the planner needs, sized from the store's manifest and config without loading a weight.
+
+Memory is counted in the dtype the stage runs in (a quantized store is dequantized on load), so a
+block's bytes are its parameter count times that dtype's size, and its flops per token about twice
+its parameter count. The KV cache holds keys and values per token: 2 x kv heads x head dim x dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from ..store import Store
+from ..stream.model import _config_dtype
+from .planner import Device, LayerCost, ModelCost
+
+
+def model_cost(store: Store) -> ModelCost:
+    """Per-block weight bytes, KV bytes per token and flops per token, plus start and end parts."""
+    config = AutoConfig.from_pretrained(store.root)
+    size = _config_dtype(config).itemsize
+    kv = 2 * _num_kv_heads(config) * _head_dim(config) * size
+    blocks = [_params(store, f"mid/{i}") for i in range(store.num_layers)]
+    end = _params(store, "end")
+    return ModelCost(
+        layers=[LayerCost(p * size, kv, 2.0 * p) for p in blocks],
+        activation_bytes_per_token=config.hidden_size * size,
+        start_bytes=_params(store, "start") * size,
+        end_bytes=end * size,
+        end_flops_per_token=2.0 * end,
+    )
+
+
+def activation_bytes(store: Store, context_length: int) -> int:
+    """Peak working memory of a prefill of `context_length` tokens: hidden states, the MLP's
+    intermediate and one layer's attention scores (float32, all heads)."""
+    config = AutoConfig.from_pretrained(store.root)
+    size = _config_dtype(config).itemsize
+    intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    per_token = (4 * config.hidden_size + 3 * intermediate) * size
+    scores = config.num_attention_heads * context_length * context_length * torch.float32.itemsize
+    return context_length * per_token + scores
+
+
+def device_from_profile(name: str, available_bytes: int, gflops: float, mem_fraction: float,
+                        activations: int) -> Device:
+    """A planner device: its share of the free RAM, less the activations it must keep room for."""
+    return Device(name, int(available_bytes * mem_fraction), gflops, overhead_bytes=activations)
+
+
+def _params(store: Store, part: str) -> int:
+    """Parameters a load of `part` yields, tied aliases included (their target's count)."""
+    manifest = store.manifest
+    names = store.tensor_names(part) if part in manifest.parts else []
+    records = [manifest.tensors[manifest.aliases.get(n, {}).get("target", n)] for n in names]
+    return sum(math.prod((r.quant or {}).get("shape") or r.shape) for r in records)
+
+
+def _num_kv_heads(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

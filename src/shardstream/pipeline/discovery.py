@@ -1,0 +1,46 @@
+"""Finding agents on the local network by mDNS (zeroconf), an optional dependency."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from ..errors import InvalidOption
+
+SERVICE = "_shardstream._tcp.local."
+
+
+def _zeroconf():
+    try:
+        import zeroconf
+    except ImportError:
+        raise InvalidOption("mDNS needs the zeroconf package: pip install 'shardstream[mdns]', or give --urls.") from None
+    return zeroconf
+
+
+def advertise(name: str, port: int):
+    """Register this agent; returns the Zeroconf instance to close on exit."""
+    zeroconf = _zeroconf()
+    address = socket.gethostbyname(socket.gethostname())
+    info = zeroconf.ServiceInfo(SERVICE, f"{name}.{SERVICE}", port=port, addresses=[socket.inet_aton(address)],
+                                properties={"name": name})
+    instance = zeroconf.Zeroconf()
+    instance.register_service(info)
+    return instance
+
+
+def discover(seconds: float) -> list[str]:
+    """Agent base URLs advertised within `seconds`."""
+    zeroconf = _zeroconf()
+    instance = zeroconf.Zeroconf()
+    names: list[str] = []
+    browser = zeroconf.ServiceBrowser(instance, SERVICE, handlers=[lambda service_type, name, state_change, **_: names.append(name)])
+    time.sleep(seconds)
+    urls = []
+    for name in dict.fromkeys(names):
+        info = instance.get_service_info(SERVICE, name, timeout=1000)
+        if info and info.parsed_addresses():
+            urls.append(f"http://{info.parsed_addresses()[0]}:{info.port}")
+    browser.cancel()
+    instance.close()
+    return urls

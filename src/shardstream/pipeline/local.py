@@ -1,0 +1,72 @@
+"""Agents as local subprocesses on 127.0.0.1: for trying a pipeline on one machine, tests and benchmarks."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ..errors import SourceUnreachable
+
+
+@dataclass
+class LocalAgent:
+    name: str
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL: the agent gets no chance to say goodbye, as when a device loses power."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0) -> list[LocalAgent]:
+    """Start one agent process per name (all at once), then wait until each answers its health check."""
+    folder.mkdir(parents=True, exist_ok=True)
+    agents = []
+    for name in names:
+        port, log = free_port(), folder / f"{name}.log"
+        command = [sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
+                   "--host", "127.0.0.1", "--port", str(port), "--data-port", str(free_port()),
+                   "--cache-dir", str(folder / name)]
+        with open(log, "wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        agents.append(LocalAgent(name, f"http://127.0.0.1:{port}", process, log))
+    deadline = time.monotonic() + timeout
+    for agent in agents:
+        while not _healthy(agent, token):
+            if agent.process.poll() is not None or time.monotonic() > deadline:
+                for other in agents:
+                    other.stop()
+                raise SourceUnreachable(f"agent {agent.name} at {agent.url} did not start; see {agent.log}.")
+            time.sleep(0.1)
+    return agents
+
+
+def _healthy(agent: LocalAgent, token: str) -> bool:
+    try:
+        return httpx.get(agent.url + "/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,81 @@
+"""A stage as a folder of plain files: the store's files for its parts, its config, the store
+manifest, and `stage.json`, the stage manifest that lists every file with size and checksum.
+
+The stage id is the checksum of `stage.json`, so an agent that already holds a stage with that id
+(from an earlier plan epoch) need not download it again. Files are hard links into the store where
+the file system allows, else streamed copies: packaging never holds more than a copy buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..atomic import write_bytes_atomic
+from ..store import MANIFEST_NAME, Store
+from ..store.checksum import checksum_bytes, checksum_file
+from .planner import Plan
+
+STAGE_MANIFEST = "stage.json"
+META_FILES = (MANIFEST_NAME, "config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class StagePackage:
+    """One packaged stage: blocks [first, last) in `folder`, known to agents by `stage_id`."""
+
+    first: int
+    last: int
+    folder: Path
+    stage_id: str
+
+
+def stage_parts(store: Store, first: int, last: int) -> list[str]:
+    """Start on the first stage, blocks [first, last), end on the last."""
+    parts = [f"mid/{i}" for i in range(first, last)]
+    return (["start"] if first == 0 else []) + parts + (["end"] if last == store.num_layers else [])
+
+
+def stage_manifest(store: Store, first: int, last: int) -> bytes:
+    """The canonical `stage.json`: weight files (with the files that tied tensors point into) and meta files."""
+    manifest = store.manifest
+    files = {}
+    for part in stage_parts(store, first, last):
+        targets = [manifest.tensors[a["target"]].file for a in manifest.aliases.values() if a["part"] == part]
+        for name in [*manifest.parts[part].files, *targets]:
+            record = manifest.files[name]
+            files[name] = {"size": record.size, "xxh3_128": record.xxh3_128}
+    for name in META_FILES:
+        path = store.root / name
+        if path.is_file():
+            files[name] = {"size": path.stat().st_size, "xxh3_128": checksum_file(path)}
+    body = {"format": 1, "first": first, "last": last, "num_layers": store.num_layers, "files": files}
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def package_stage(store: Store, first: int, last: int, root: Path) -> StagePackage:
+    """Write (or reuse) the stage's folder under `root`, named by its stage id."""
+    body = stage_manifest(store, first, last)
+    stage_id = checksum_bytes(body)
+    folder = Path(root) / stage_id
+    if not (folder / STAGE_MANIFEST).is_file():
+        for name in json.loads(body)["files"]:
+            _link_or_copy(store.root / name, folder / name)
+        write_bytes_atomic(folder / STAGE_MANIFEST, body)
+    return StagePackage(first, last, folder, stage_id)
+
+
+def package_plan(store: Store, plan: Plan, root: Path) -> list[StagePackage]:
+    return [package_stage(store, s.first_layer, s.last_layer_exclusive, root) for s in plan.stages]
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links not allowed
+        shutil.copyfile(source, target)

@@ -1,0 +1,160 @@
+"""One pipeline stage: blocks [first, last) of transformers' own model, with their own KV caches.
+
+The stage model is built on `meta` from the store's config with only this stage's blocks
+(`num_hidden_layers = last - first`, `layer_types` sliced), so its DynamicCache, positions and masks
+count exactly this stage's layers. Weights are mapped with the streaming runtime's `WeightMapper`
+on a full meta model (checkpoint names keep the global block index) and renumbered into place.
+A later stage receives hidden states: they go in as `inputs_embeds` and a pre-hook on the first
+block puts them back unchanged (some families scale embeddings inside `forward`); an earlier stage
+stops right after its last block, before the final norm, which it does not hold.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from ..errors import InvalidOption, UnsupportedModel
+from ..store import Store
+from ..stream.model import _common_module, _config_dtype, build_meta_model
+from ..stream.weights import Slots, WeightMapper, parameters_on_meta
+
+MAX_SESSIONS = 8
+
+
+class _Stop(Exception):
+    """Raised by the last block's hook on a stage without the head: the forward pass ends there."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+
+class StageModel:
+    """Runs `forward(session, position, ids_or_hidden)`; the first stage takes token ids, the last
+    returns the next-token logits, any other returns hidden states."""
+
+    def __init__(self, store: Store, first: int, last: int):
+        n = store.num_layers
+        if not 0 <= first < last <= n:
+            raise InvalidOption(f"stage blocks [{first}, {last}) are outside the model's {n} blocks; re-plan.")
+        self.first, self.last = first, last
+        self.is_first, self.is_last = first == 0, last == n
+        full = build_meta_model(store, None)
+        mapper = WeightMapper(full)
+        global_prefixes = [_common_module(mapper.target_names(store.tensor_names(f"mid/{i}"))) for i in range(first, last)]
+        self.model = _stage_meta_model(store, first, last)
+        prefixes = [_renumbered(p, k) for k, p in enumerate(global_prefixes)]
+        for index, (old, new) in enumerate(zip(global_prefixes, prefixes)):
+            params = mapper.convert(store.load(f"mid/{first + index}", verify=True))
+            Slots(self.model.get_submodule(new), new).fill(
+                {new + name[len(old):]: tensor for name, tensor in params.items()})
+        self._fill_outside(store, mapper, prefixes)
+        self._blocks = [self.model.get_submodule(p) for p in prefixes]
+        self._caches: OrderedDict[str, DynamicCache] = OrderedDict()
+        self._lock = threading.Lock()
+        self._incoming: torch.Tensor | None = None
+        self._blocks[0].register_forward_pre_hook(self._inject, with_kwargs=True)
+        if not self.is_last:
+            self._blocks[-1].register_forward_hook(self._stop)
+
+    def _fill_outside(self, store: Store, mapper: WeightMapper, prefixes: list[str]) -> None:
+        """Embeddings on the first stage, final norm and head on the last; the rest stays on meta."""
+        parts = (["start"] if self.is_first else []) + (["end"] if self.is_last else [])
+        tensors: dict[str, torch.Tensor] = {}
+        for part in parts:
+            tensors.update(store.load(part, verify=True))
+        params = mapper.convert(tensors)
+        for tied, source in getattr(self.model, "all_tied_weights_keys", {}).items():
+            if tied not in params and source in params:
+                params[tied] = params[source]
+        outside = Slots(self.model, exclude=tuple(prefixes))
+        outside.fill({name: tensor for name, tensor in params.items() if name in outside.names})
+        if not self.is_first:
+            embeddings = _module_name(self.model, self.model.get_input_embeddings()) + "."
+            other = [n for n in mapper.target_names(store.tensor_names("start")) if not n.startswith(embeddings)]
+            if other:
+                raise UnsupportedModel(
+                    f"{type(self.model).__name__} uses {sorted(other)[:3]} before its blocks besides the token "
+                    "embeddings, so only a single stage can run it; plan it on one device.")
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _inject(self, module, args, kwargs):
+        if self._incoming is None:
+            return None
+        hidden, self._incoming = self._incoming, None
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    def _stop(self, module, args, output):
+        raise _Stop(output[0] if isinstance(output, tuple) else output)
+
+    # -- inference ---------------------------------------------------------------------------
+
+    def forward(self, session: str, position: int, data: torch.Tensor) -> torch.Tensor:
+        """Ids [1, s] (first stage) or hidden states [1, s, h] at `position` -> hidden [1, s, h] or
+        logits [1, vocab] of the last position (last stage)."""
+        with self._lock, torch.no_grad():
+            cache = self._cache(session, position)
+            kwargs = dict(past_key_values=cache, use_cache=True)
+            if self.is_first:
+                kwargs["input_ids"] = data
+            else:
+                self._incoming = data = data.to(self.model.dtype)
+                kwargs["inputs_embeds"] = data
+            try:
+                if self.is_last:
+                    return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+                self.model.get_submodule(self.model.base_model_prefix)(**kwargs)
+            except _Stop as stop:
+                return stop.hidden
+            finally:
+                self._incoming = None
+            raise AssertionError("a stage without the head must stop after its last block")
+
+    def _cache(self, session: str, position: int) -> DynamicCache:
+        """This session's cache, which must hold exactly `position` tokens (position 0 starts anew)."""
+        if position == 0:
+            self._caches.pop(session, None)
+            self._caches[session] = DynamicCache(config=self.model.config)
+            while len(self._caches) > MAX_SESSIONS:
+                self._caches.popitem(last=False)
+        cache = self._caches.get(session)
+        held = cache.get_seq_length() if cache is not None else None
+        if held != position:
+            raise InvalidOption(
+                f"session {session!r} is at token {held} on blocks {self.first}-{self.last - 1}, not {position}; "
+                "replay the request from its first token.")
+        self._caches.move_to_end(session)
+        return cache
+
+    def end(self, session: str) -> None:
+        with self._lock:
+            self._caches.pop(session, None)
+
+
+def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:
+    """transformers' model class on meta with only blocks [first, last), renumbered from 0."""
+    config = AutoConfig.from_pretrained(store.root)
+    config.num_hidden_layers = last - first
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[first:last])
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config))
+    return model.eval()
+
+
+def _renumbered(prefix: str, index: int) -> str:
+    """'model.layers.7' -> 'model.layers.<index>': blocks sit in a ModuleList."""
+    container, _, number = prefix.rpartition(".")
+    if not number.isdigit():
+        raise UnsupportedModel(f"block module {prefix!r} is not an item of a module list; this family cannot be staged.")
+    return f"{container}.{index}"
+
+
+def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(name for name, m in root.named_modules() if m is module)

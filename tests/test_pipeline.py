@@ -1,0 +1,214 @@
+"""The pipeline end to end: three agents as real subprocesses on 127.0.0.1, a tiny llama split
+over them, token-identical greedy output, a SIGKILL during generation, auth and corrupt stages.
+
+Profiles are measured for real; the tests then fix gflops and round trips to equal values so the
+plan is deterministic (throughput objective: equal devices split the blocks three ways).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import httpx
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from shardstream.convert import convert
+from shardstream.errors import AuthenticationFailed, PlanInfeasible, SourceUnreachable
+from shardstream.pipeline.cli import coordinator_command
+from shardstream.pipeline.client import AgentClient
+from shardstream.pipeline.coordinator import Coordinator, CoordinatorOptions
+from shardstream.pipeline.generation import PipelineModel
+from shardstream.pipeline.local import free_port, spawn_agents
+from shardstream.pipeline.package import package_stage
+from shardstream.pipeline.server import BackgroundServer, coordinator_app
+from shardstream.store import open_store
+from tiny_models import save_checkpoint
+
+TOKEN = "test-token"
+PROMPT = "Once upon a time"
+
+
+def _char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character; ids fit the tiny models' 128-entry vocabulary."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(store, reference model, tokenizer)."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    reference = save_checkpoint("llama", folder / "ckpt")
+    tokenizer = _char_tokenizer()
+    tokenizer.save_pretrained(folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", progress=False)
+    return open_store(folder / "store"), reference, tokenizer
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory):
+    started = spawn_agents(["a", "b", "c"], TOKEN, tmp_path_factory.mktemp("agents"))
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+@pytest.fixture
+def deployed(tiny, agents, tmp_path):
+    """A coordinator with its stage server, deployed over the live agents; yields (pipeline, server)."""
+    store, _, tokenizer = tiny
+    live = [a for a in agents if a.process.poll() is None]
+    coordinator = Coordinator(store, [AgentClient(a.url, TOKEN) for a in live],
+                              CoordinatorOptions(tmp_path, context_length=64, objective="throughput"))
+    coordinator.profile()
+    for profile in coordinator.profiles.values():  # measured; made equal for a deterministic plan
+        profile.gflops = 1e-3  # compute outweighs the hops, so more stages pay
+        profile.rtt_seconds = {name: 1e-3 for name in profile.rtt_seconds}
+    pipeline = PipelineModel(coordinator, "127.0.0.1")
+    server = BackgroundServer(coordinator_app(pipeline, tokenizer, "tiny", tmp_path / "stages", TOKEN), "127.0.0.1", 0)
+    coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
+    coordinator.deploy()
+    yield pipeline, server
+    server.stop()
+    pipeline.close()
+    coordinator.close()
+
+
+def _reference(reference, tokenizer, new: int) -> torch.Tensor:
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    return reference.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0]
+
+
+def test_agents_report_capabilities_profiles_and_round_trips(agents):
+    client = AgentClient(agents[0].url, TOKEN)
+    capabilities = client.get("/v1/capabilities")
+    assert capabilities["name"] == "a" and capabilities["cpu_count"] >= 1 and capabilities["torch"] == torch.__version__
+    assert 0 < capabilities["ram_available_bytes"] <= capabilities["ram_total_bytes"]
+    assert client.post("/v1/profile/matmul", {"size": 64, "repeats": 2})["gflops"] > 0
+    assert client.post("/v1/profile/block", {"hidden_size": 32, "intermediate_size": 64})["gflops"] > 0
+    rtt = client.post("/v1/net/ping", {"peers": [agents[1].url, "http://127.0.0.1:9"]})["rtt_seconds"]
+    assert 0 < rtt[agents[1].url] < 1 and rtt["http://127.0.0.1:9"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/health", "/v1/capabilities", "/v1/stage/unload"])
+def test_a_wrong_token_gets_401(agents, path):
+    method = httpx.post if "stage" in path else httpx.get
+    assert method(agents[0].url + path, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert method(agents[0].url + path).status_code == 401
+
+
+def test_the_coordinator_names_an_agent_that_refuses_the_token(agents, tiny, tmp_path):
+    with pytest.raises(AuthenticationFailed, match=rf"agent at {agents[0].url} refused the token \(HTTP 401\); pass the --token"):
+        Coordinator(tiny[0], [AgentClient(agents[0].url, "wrong")], CoordinatorOptions(tmp_path))
+
+
+def test_the_coordinator_names_an_unreachable_agent(tiny, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SourceUnreachable, match=rf"agent at {url} could not be reached .*start `shardstream agent` there"):
+        Coordinator(tiny[0], [AgentClient(url, TOKEN)], CoordinatorOptions(tmp_path))
+
+
+def test_greedy_output_over_three_agents_is_token_identical(tiny, deployed):
+    _, reference, tokenizer = tiny
+    pipeline, _ = deployed
+    stages = pipeline.coordinator.route.plan.stages
+    assert [s.device for s in stages] == ["a", "b", "c"]
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    out = pipeline.generate(ids, max_new_tokens=20)
+    assert torch.equal(out[0], _reference(reference, tokenizer, 20))
+    assert [t[0] for t in pipeline.last_timings] == ["a", "b", "c"]
+
+
+def test_openai_completions_through_the_coordinator(tiny, deployed):
+    _, reference, tokenizer = tiny
+    _, server = deployed
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    assert httpx.post(url, json=body).status_code == 401
+    reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).json()
+    expected = _reference(reference, tokenizer, 10)[len(PROMPT):]
+    assert reply["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_stage_files_are_served_with_range_requests(tiny, deployed):
+    pipeline, server = deployed
+    package = package_stage(tiny[0], 0, 1, pipeline.coordinator.options.work_dir / "stages")
+    url = f"http://127.0.0.1:{server.port}/stages/{package.stage_id}/stage.json"
+    headers = {"Authorization": f"Bearer {TOKEN}", "Range": "bytes=2-9"}
+    response = httpx.get(url, headers=headers)
+    assert response.status_code == 206 and response.content == (package.folder / "stage.json").read_bytes()[2:10]
+
+
+def test_a_corrupt_stage_file_is_retried_then_refused(tiny, agents, deployed):
+    pipeline, _ = deployed
+    package = package_stage(tiny[0], 1, 2, pipeline.coordinator.options.work_dir / "stages")
+    victim = next(p for p in package.folder.rglob("*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.unlink()  # a hard link into the store: replace it, do not write through it
+    victim.write_bytes(data)
+    url = pipeline.coordinator.stage_url + package.stage_id + "/"
+    client = AgentClient(agents[0].url, TOKEN)
+    client.name = "a"
+    try:
+        with pytest.raises(Exception, match=rf"agent a: {url}{victim.relative_to(package.folder)} failed 3 downloads: "
+                                            r"it arrived as \d+ bytes with checksum .*re-package"):
+            client.post("/v1/stage/load", {"url": url, "stage_id": package.stage_id, "epoch": 9, "metadata_only": True})
+    finally:
+        shutil.rmtree(package.folder)
+    assert client.get("/v1/health")["stage_id"] != package.stage_id
+
+
+def test_the_cli_plans_deploys_and_generates(tiny, agents, tmp_path, capsys):
+    store, reference, tokenizer = tiny
+    coordinator_command(model=store.root, token=TOKEN, urls=",".join(a.url for a in agents), context_length=64,
+                        work_dir=tmp_path, host="127.0.0.1", generate=PROMPT, max_new_tokens=8,
+                        pipeline_order="c,b,a", mem_fraction=0.5)
+    out = capsys.readouterr().out
+    expected = tokenizer.decode(_reference(reference, tokenizer, 8)[len(PROMPT):], skip_special_tokens=True)
+    assert "latency:" in out and out.rstrip().endswith(expected)
+    assert (tmp_path / "plan.json").is_file()
+
+
+def test_a_killed_agent_is_detected_replanned_and_the_output_is_the_same(tiny, agents, deployed, monkeypatch):
+    """Runs last: it kills agent b for good."""
+    _, reference, tokenizer = tiny
+    pipeline, _ = deployed
+    coordinator = pipeline.coordinator
+    assert [s.device for s in coordinator.route.plan.stages] == ["a", "b", "c"]
+    killed_at, detected_at = [], []
+    recover = coordinator.recover
+    monkeypatch.setattr(coordinator, "recover", lambda name: detected_at.append(time.monotonic()) or recover(name))
+
+    class KillAfterFive:
+        def __init__(self):
+            self.seen = 0
+
+        def put(self, value):
+            self.seen += 1
+            if self.seen == 6:  # the prompt, then five new tokens
+                agents[1].kill()
+                killed_at.append(time.monotonic())
+
+        def end(self):
+            pass
+
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    out = pipeline.generate(ids, max_new_tokens=20, streamer=KillAfterFive())
+    assert torch.equal(out[0], _reference(reference, tokenizer, 20))
+    assert pipeline.recoveries == 1 and detected_at[0] - killed_at[0] < 2.0
+    assert [s.device for s in coordinator.route.plan.stages] == ["a", "c"] and coordinator.route.epoch == 1
+
+
+def test_when_the_agents_left_cannot_hold_the_model_the_error_says_so(tiny, agents, deployed):
+    pipeline, _ = deployed
+    coordinator = pipeline.coordinator
+    coordinator.options.mem_fraction = 1e-9
+    with pytest.raises(PlanInfeasible, match=r"agent c was lost and the agents left \(a\) cannot hold the model: No split"):
+        coordinator.recover("c")

@@ -1,0 +1,110 @@
+"""Pipeline parts in one process: stages against transformers, the wire format, costs, packaging."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from shardstream.convert import convert
+from shardstream.pipeline.costs import model_cost
+from shardstream.pipeline.package import package_stage, stage_manifest
+from shardstream.pipeline.stage import StageModel
+from shardstream.pipeline.transport import pack, unpack
+from shardstream.store import open_store
+from shardstream.store.checksum import checksum_bytes
+from tiny_models import save_checkpoint
+
+PROMPT = torch.tensor([[1, 5, 9, 20, 33, 7]])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """{family: (store, reference model)}; qwen2 ties its head to the embeddings, gemma scales them."""
+    made = {}
+    for family in ("llama", "qwen2", "gemma"):
+        folder = tmp_path_factory.mktemp(family)
+        reference = save_checkpoint(family, folder / "ckpt")
+        convert(folder / "ckpt", folder / "store", progress=False)
+        made[family] = (open_store(folder / "store"), reference)
+    return made
+
+
+def _greedy(stages: list[StageModel], tokens: list[int], new: int) -> list[int]:
+    """Drive stages by hand as the coordinator does: prefill, then one token per step."""
+    position, feed, out = 0, torch.tensor([tokens]), []
+    for _ in range(new):
+        data = feed
+        for stage in stages:
+            data = stage.forward("s", position, data)
+        position += feed.shape[1]
+        out.append(int(data.argmax(-1)))
+        feed = torch.tensor([[out[-1]]])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("cuts", [(1, 3), (2,), ()])
+def test_stages_generate_exactly_what_transformers_generates(stores, family, cuts):
+    store, reference = stores[family]
+    bounds = [0, *cuts, store.num_layers]
+    stages = [StageModel(store, a, b) for a, b in zip(bounds, bounds[1:])]
+    expected = reference.generate(PROMPT, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, PROMPT.shape[1]:]
+    assert _greedy(stages, PROMPT[0].tolist(), 12) == expected.tolist()
+
+
+def test_a_stage_refuses_a_position_its_cache_does_not_hold(stores):
+    store, _ = stores["llama"]
+    stage = StageModel(store, 0, 2)
+    stage.forward("s", 0, PROMPT)
+    with pytest.raises(ValueError, match=r"session 's' is at token 6 on blocks 0-1, not 3; replay"):
+        stage.forward("s", 3, torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_tensors_cross_the_wire_bit_exact(dtype):
+    tensor = (torch.randn(1, 3, 5) * 100).to(dtype)
+    header, back = unpack(pack({"session": "x", "step": 2}, tensor))
+    assert header["session"] == "x" and header["shape"] == [1, 3, 5] and back.dtype == dtype
+    assert torch.equal(back, tensor)
+
+
+def test_a_header_that_does_not_match_the_bytes_is_refused():
+    header, data = pack({}, torch.zeros(2, 2))
+    wrong = json.dumps({**json.loads(header), "shape": [2, 3]}).encode()
+    with pytest.raises(ValueError, match=r"shape \[2, 3\] torch.float32 carries 16 bytes"):
+        unpack([wrong, data])
+    with pytest.raises(ValueError, match="dtype 'os.system'"):
+        unpack([json.dumps({"dtype": "os.system", "shape": []}).encode(), b""])
+
+
+def test_costs_come_from_the_manifest_and_match_the_model(stores):
+    store, reference = stores["llama"]
+    cost = model_cost(store)
+    block = sum(p.numel() for p in reference.model.layers[0].parameters())
+    assert [c.weight_bytes for c in cost.layers] == [4 * block] * 4
+    assert cost.layers[0].kv_bytes_per_token == 2 * 2 * 8 * 4  # k and v x kv heads x head dim x fp32
+    assert cost.layers[0].flops_per_token == 2 * block
+    assert cost.start_bytes == 4 * reference.model.embed_tokens.weight.numel()
+    assert cost.end_bytes == 4 * (reference.lm_head.weight.numel() + reference.model.norm.weight.numel())
+    assert cost.activation_bytes_per_token == 32 * 4
+
+
+def test_the_last_stage_of_a_tied_model_ships_the_embedding_file(stores):
+    store, _ = stores["qwen2"]
+    files = json.loads(stage_manifest(store, 3, 4))["files"]
+    embedding_file = store.manifest.tensors["model.embed_tokens.weight"].file
+    assert embedding_file in files and "config.json" in files and "manifest.json" in files
+    assert not any(name.startswith("mid/0/") for name in files)
+    assert math.isclose(files[embedding_file]["size"], store.manifest.files[embedding_file].size)
+
+
+def test_a_stage_package_is_named_by_its_manifest_checksum(stores, tmp_path):
+    store, _ = stores["llama"]
+    package = package_stage(store, 1, 3, tmp_path)
+    body = (package.folder / "stage.json").read_bytes()
+    assert package.stage_id == checksum_bytes(body) and (package.first, package.last) == (1, 3)
+    for name, record in json.loads(body)["files"].items():
+        assert (package.folder / name).stat().st_size == record["size"]
