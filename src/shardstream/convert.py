@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 import warnings
 from collections import defaultdict, deque
@@ -167,12 +168,13 @@ def _default_layer_warning() -> int:
 class _Job:
     """The shard loop, with its buffers; one instance per convert() call.
 
-    Parts are encoded and written on one writer thread while the main thread reads on, so disk
-    reads and writes overlap; at most two parts wait for the writer. Before a source shard is
-    deleted, every write that came from it has finished, so a kill never loses data.
+    Parts are encoded and written on writer threads while the main thread reads on, so reads,
+    writes and fsyncs overlap; at most WRITERS parts are in flight. Before a source shard is
+    deleted, every write that came from it has finished, so a kill never loses data; a part's
+    pieces are recorded before the write that completes it.
     """
 
-    MAX_PENDING_WRITES = 2
+    WRITERS = 2
 
     def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
                  min_free_space: int, layer_warning: int, progress: bool):
@@ -186,6 +188,9 @@ class _Job:
         self.completed = set(writer.manifest.parts)      # likewise, for whole parts
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
         self.pending: deque[Future] = deque()
+        self.releases: list[Future] = []
+        self.piece_writes: dict[str, list[Future]] = {}
+        self.stats_lock = threading.Lock()
         self.warned_parts: set[str] = set()
         self.written: list[str] = []
         self.skipped = sorted(writer.manifest.parts)
@@ -193,8 +198,11 @@ class _Job:
         self.profile: dict[str, PartProfile] = defaultdict(PartProfile)
 
     def run(self) -> None:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstream-writer") as self.pool:
+        with ThreadPoolExecutor(max_workers=self.WRITERS, thread_name_prefix="shardstream-writer") as self.pool, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstream-release") as self.releaser:
             self._run()
+            for release in self.releases:
+                release.result()
 
     def _run(self) -> None:
         shards = self.src.shard_names()
@@ -210,9 +218,7 @@ class _Job:
             path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
             self._process(shard, path, wait, index, last=shard == todo[-1])
             if self.sequential:
-                self._drain()
-                self.src.release(shard, delete=True)
-                log.info("released shard %s", shard)
+                self._release_when_written(shard)
             bar.update(1)
         bar.close()
         self._safeguard()
@@ -291,27 +297,54 @@ class _Job:
         self.stored.update(tensors)
         if complete:
             self.completed.add(part)
+            for earlier in self.piece_writes.pop(part, []):
+                earlier.result()   # the part's pieces are recorded before the write that completes it
         else:
             self.pieced.add(part)
-        while len(self.pending) >= self.MAX_PENDING_WRITES:
+        while len(self.pending) >= self.WRITERS:
             self.pending.popleft().result()
-        self.pending.append(self.pool.submit(self._write, part, tensors, piece, complete))
+        future = self.pool.submit(self._write, part, tensors, piece, complete)
+        self.pending.append(future)
+        if not complete:
+            self.piece_writes.setdefault(part, []).append(future)
+
+    def _release_when_written(self, shard: str) -> None:
+        """Delete a processed shard once every write taken from it is durable.
+
+        A download must go before the next one arrives (peak disk: one shard), so remote sources
+        wait here; a local shard is already on disk, so its deletion waits on a side thread while
+        the next shard is read.
+        """
+        writes = list(self.pending)
+        if isinstance(self.src, RemoteSource):
+            self._drain()
+            self._release(shard, [])
+        else:
+            self.releases.append(self.releaser.submit(self._release, shard, writes))
+
+    def _release(self, shard: str, writes: list[Future]) -> None:
+        for write in writes:
+            write.result()   # a failed write keeps the shard: the error surfaces in run()
+        self.src.release(shard, delete=True)
+        log.info("released shard %s", shard)
 
     def _drain(self) -> None:
         while self.pending:
             self.pending.popleft().result()
 
     def _write(self, part: str, tensors: dict[str, torch.Tensor], piece: int | None, complete: bool) -> None:
-        """Runs on the writer thread, the only one that touches the manifest while the job runs."""
+        """Runs on a writer thread; StoreWriter serialises the manifest updates."""
         experts = {n: self.plan.expert_of[n] for n in tensors if n in self.plan.expert_of}
         timings = self.writer.write(part, tensors, experts, piece, complete)
-        profile = self.profile[part]
-        profile.quantize_seconds += timings.quantize_seconds
-        profile.write_seconds += timings.write_seconds
-        profile.bytes_written += timings.nbytes
-        self.bytes_written += timings.nbytes
+        with self.stats_lock:
+            profile = self.profile[part]
+            profile.quantize_seconds += timings.quantize_seconds
+            profile.write_seconds += timings.write_seconds
+            profile.bytes_written += timings.nbytes
+            self.bytes_written += timings.nbytes
+            if complete:
+                self.written.append(part)
         if complete:
-            self.written.append(part)
             log.info("wrote part %s", part)
         else:
             log.info("wrote piece %d of part %s", piece, part)

@@ -8,6 +8,7 @@ when the manifest lists it under `parts`. Re-running keeps every file that still
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class StoreWriter:
     def __init__(self, root: Path, manifest: Manifest):
         self.root = Path(root)
         self.manifest = manifest
+        self._manifest_lock = threading.Lock()   # files are written in parallel, recorded one at a time
 
     @classmethod
     def open(cls, root: Path, fresh: Manifest) -> "StoreWriter":
@@ -96,14 +98,15 @@ class StoreWriter:
         name = part_file(part, piece)
         path = self.root / name
         digest = write_encoded(path, encoded)
-        self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
-        for tensor_name, fields in encoded.records.items():
-            self.manifest.tensors[tensor_name] = TensorRecord(
-                part=part, file=name, expert=experts.get(tensor_name), **fields
-            )
-        if complete:
-            self._mark_complete(part)
-        self.manifest.save(self.root)
+        with self._manifest_lock:
+            self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
+            for tensor_name, fields in encoded.records.items():
+                self.manifest.tensors[tensor_name] = TensorRecord(
+                    part=part, file=name, expert=experts.get(tensor_name), **fields
+                )
+            if complete:
+                self._mark_complete(part)
+            self.manifest.save(self.root)
         elapsed = time.perf_counter() - started
         return WriteTimings(encoded.quantize_seconds, elapsed - encoded.quantize_seconds, encoded.size)
 

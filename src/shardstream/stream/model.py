@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..errors import InvalidOption, StoreIncomplete, UnsupportedModel
 from ..store import Store
+from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader, LoadedBlock
 from .prefetch import DirectLoader, Prefetcher
 from .profile import Profile
@@ -70,9 +71,12 @@ class StreamingModel:
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
-                 profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None):
+                 profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None,
+                 experts: str = "with_block"):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
+        if experts not in EXPERT_MODES:
+            raise InvalidOption(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}.")
         _check_files(store)
         self.store = store
         self.device = torch.device(device)
@@ -83,7 +87,9 @@ class StreamingModel:
         self.model = build_meta_model(store, dtype)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
-        self._loader = BlockLoader(store, mapper, self.device, verify_checksums)
+        self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
+        self._loader = (ExpertlessLoader(store, mapper, self.device, verify_checksums, self.experts.checkpoint_names)
+                        if self.experts else BlockLoader(store, mapper, self.device, verify_checksums))
         prefixes = self._block_prefixes(mapper)
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
@@ -97,7 +103,7 @@ class StreamingModel:
         self._source = (Prefetcher(self._loader.load, streamed, prefetch_depth) if prefetching and streamed
                         else DirectLoader(self._loader.load))
         self._active: tuple[int, LoadedBlock, float, float] | None = None
-        self._hooks = []
+        self._hooks = list(self.experts.hooks) if self.experts else []
         for index in streamed:
             block = self.model.get_submodule(prefixes[index])
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before, index)))
@@ -181,6 +187,8 @@ class StreamingModel:
         index, block, waited, started = self._active
         self._active = None
         self._slots[index].empty()
+        if self.experts:
+            self.experts.release(index)
         block.params.clear()  # the memory must be free before the reader may start the next block
         self._source.release()
         self.profile.record(index, block.read_seconds, waited, time.perf_counter() - started)
@@ -265,6 +273,7 @@ class AutoModel:
         max_resident_memory: int | str | None = "auto",
         verify_checksums: bool = True,
         dtype: torch.dtype | None = None,
+        experts: str = "with_block",
         token: str | None = None,
         revision: str | None = None,
         progress: bool = True,
@@ -274,6 +283,8 @@ class AutoModel:
         `pretrained_model_name_or_path` is a Hub id, an HTTP(S) base URL, a checkpoint folder or a
         store folder; `layer_shards_saving_path` is where the store lives (default
         ~/.cache/shardstream/<slug>). The converter options apply only when a conversion runs.
+        `experts="on_demand"` reads only the MoE experts the router picks, from their tiers (see
+        docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
         """
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
@@ -284,5 +295,5 @@ class AutoModel:
         return StreamingModel(
             store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
-            verify_checksums=verify_checksums, dtype=dtype,
+            verify_checksums=verify_checksums, dtype=dtype, experts=experts,
         )

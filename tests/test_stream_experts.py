@@ -1,0 +1,115 @@
+"""On-demand MoE experts: a tiny Mixtral streams with experts on two tiers, reading only routed experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstream.shard.experts as shard_experts
+from shardstream.convert import convert
+from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.shard import load_index, place_experts
+from shardstream.store import open_store
+from shardstream.stream import StreamingModel
+from tiny_models import save_checkpoint
+
+LAYERS, EXPERTS, TOP_K = 3, 4, 2
+COLD = {(0, 1): "cold", (1, 3): "cold", (2, 0): "cold", (2, 2): "cold"}
+
+
+def _store(tmp: Path, place: bool = True):
+    """A converted tiny Mixtral and its transformers twin; experts over a hot (in-store) and a cold tier."""
+    reference = save_checkpoint("mixtral", tmp / "ckpt")
+    convert(tmp / "ckpt", tmp / "store", progress=False)
+    store = open_store(tmp / "store")
+    if place:
+        place_experts(store, {"hot": ".", "cold": str(tmp / "cold")}, placement=COLD)
+    return reference, store
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):
+    return _store(tmp_path_factory.mktemp("experts"))
+
+
+@pytest.fixture
+def file_reads(monkeypatch) -> list[str]:
+    """Every expert file read, by wrapping the shard module's reader (the real read still happens)."""
+    reads: list[str] = []
+    real = shard_experts._read
+
+    def counting(store, index, record):
+        reads.append(record.file)
+        return real(store, index, record)
+
+    monkeypatch.setattr(shard_experts, "_read", counting)
+    return reads
+
+
+def _routed(reference, ids: torch.Tensor, **kwargs) -> tuple[int, object]:
+    """How many distinct (layer, expert) pairs transformers' own router picks, and its output."""
+    picked: set[tuple[int, int]] = set()
+    hooks = [layer.mlp.experts.register_forward_pre_hook(
+        lambda module, args, i=i: picked.update((i, e) for e in args[1].unique().tolist()))
+        for i, layer in enumerate(reference.model.layers)]
+    with torch.no_grad():
+        out = reference(ids, use_cache=True, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    return len(picked), out
+
+
+def test_placement_spans_both_tiers(placed):
+    _, store = placed
+    tiers = {record.tier for record in load_index(store).experts.values()}
+    assert tiers == {"hot", "cold"} and load_index(store).experts["2:2"].tier == "cold"
+
+
+@pytest.mark.parametrize("budget", [0, "auto"], ids=["streamed", "resident"])
+def test_logits_and_generate_match_transformers(placed, budget):
+    reference, store = placed
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with StreamingModel(store, experts="on_demand", max_resident_memory=budget) as model:
+        got = model(ids).logits
+        with torch.no_grad():
+            want = reference(ids).logits
+        assert (got - want).abs().max().item() <= 1e-5
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, reference.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_reads_only_routed_experts(placed, file_reads):
+    reference, store = placed
+    ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0, prefetching=False) as model:
+        routed, prefill = _routed(reference, ids)
+        out = model(ids, use_cache=True)
+        assert model.experts.loads == len(file_reads) == routed <= LAYERS * ids.shape[1] * TOP_K
+        step = prefill.logits[:, -1:].argmax(-1)
+        routed, _ = _routed(reference, step, past_key_values=prefill.past_key_values)
+        before = model.experts.loads
+        model(step, past_key_values=out.past_key_values, use_cache=True)
+        decoded = model.experts.loads - before
+        assert decoded == routed <= LAYERS * TOP_K < LAYERS * EXPERTS
+        assert len(file_reads) == model.experts.loads
+
+
+def test_unplaced_store_is_refused_and_corrupt_expert_named(tmp_path):
+    _, store = _store(tmp_path, place=False)
+    with pytest.raises(InvalidOption, match="no placed expert"):
+        StreamingModel(store, experts="on_demand")
+    with pytest.raises(InvalidOption, match="experts must be one of"):
+        StreamingModel(store, experts="lazy")
+    place_experts(store, {"hot": ".", "cold": str(tmp_path / "cold")}, placement=COLD)
+    for expert in range(EXPERTS):  # whichever layer-0 expert the router picks first is damaged
+        record = load_index(store).experts[f"0:{expert}"]
+        root = tmp_path / "cold" if record.tier == "cold" else store.root
+        path = root / record.file
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
+        with pytest.raises(StoreCorrupt, match=r"group_0/expert_\d\.safetensors fails its checksum"):
+            model(torch.tensor([[5, 6, 7]]))
