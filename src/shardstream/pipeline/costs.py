@@ -13,14 +13,14 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..store import Store
-from ..stream.model import _config_dtype
+from ..stream.model import config_dtype
 from .planner import Device, LayerCost, ModelCost
 
 
 def model_cost(store: Store) -> ModelCost:
     """Per-block weight bytes, KV bytes per token and flops per token, plus start and end parts."""
     config = AutoConfig.from_pretrained(store.root)
-    size = _config_dtype(config).itemsize
+    size = config_dtype(config).itemsize
     kv = 2 * _num_kv_heads(config) * _head_dim(config) * size
     blocks = [_params(store, f"mid/{i}") for i in range(store.num_layers)]
     end = _params(store, "end")
@@ -37,7 +37,7 @@ def activation_bytes(store: Store, context_length: int) -> int:
     """Peak working memory of a prefill of `context_length` tokens: hidden states, the MLP's
     intermediate and one layer's attention scores (float32, all heads)."""
     config = AutoConfig.from_pretrained(store.root)
-    size = _config_dtype(config).itemsize
+    size = config_dtype(config).itemsize
     intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
     per_token = (4 * config.hidden_size + 3 * intermediate) * size
     scores = config.num_attention_heads * context_length * context_length * torch.float32.itemsize

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 
 from ..errors import InvalidOption, UnsupportedModel
 from ..store import Store
-from ..stream.model import _common_module, _config_dtype, build_meta_model
+from ..stream.model import common_module, config_dtype, build_meta_model
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta
 
 MAX_SESSIONS = 8
@@ -44,7 +44,7 @@ class StageModel:
         self.is_first, self.is_last = first == 0, last == n
         full = build_meta_model(store, None)
         mapper = WeightMapper(full)
-        global_prefixes = [_common_module(mapper.target_names(store.tensor_names(f"mid/{i}"))) for i in range(first, last)]
+        global_prefixes = [common_module(mapper.target_names(store.tensor_names(f"mid/{i}"))) for i in range(first, last)]
         self.model = _stage_meta_model(store, first, last)
         prefixes = [_renumbered(p, k) for k, p in enumerate(global_prefixes)]
         for index, (old, new) in enumerate(zip(global_prefixes, prefixes)):
@@ -144,7 +144,7 @@ def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types[first:last])
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=config_dtype(config))
     return model.eval()
 
 

@@ -36,9 +36,9 @@ class LoadedBlock:
 class BlockLoader:
     """Store part -> converted parameters on `device`.
 
-    Checksums are verified the first time each part is read in this process (`verify=True`), so a
-    corrupt store fails on the first token instead of giving wrong text; later reads of the same
-    part skip the hash and map the files instead of copying them (see mapped.py). On CUDA the bytes go through pinned memory and a side stream, so the copy
+    Parts are mapped, not copied (see mapped.py). Checksums are verified the first time each part
+    is read in this process (`verify=True`), so a corrupt store fails on the first token instead of
+    giving wrong text; later reads of the same part skip the hash. On CUDA the bytes go through pinned memory and a side stream, so the copy
     overlaps the previous block's compute.
     """
 
@@ -54,11 +54,10 @@ class BlockLoader:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read."""
         tensors: dict[str, torch.Tensor] = {}
         for part in parts:
-            if self._verify and part not in self._verified:
-                tensors.update(self.store.load(part, verify=True))
+            verify = self._verify and part not in self._verified
+            tensors.update(map_part(self.store, part, verify=verify))
+            if verify:
                 self._verified.add(part)
-            else:
-                tensors.update(map_part(self.store, part))
         return tensors
 
     def load(self, index: int) -> LoadedBlock:

@@ -17,17 +17,22 @@ import torch
 
 from ..errors import StoreCorrupt, StoreIncomplete
 from ..store import Store
+from ..store.checksum import checksum_bytes
 from ..store.partfile import decode_tensor
 
 PAGE = mmap.PAGESIZE
 
 
-def map_part(store: Store, part: str) -> dict[str, torch.Tensor]:
-    """Tensors of one part viewing private mappings of its files (no checksum: verify with Store.load)."""
+def map_part(store: Store, part: str, verify: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of one part viewing private mappings of its files, checksummed when `verify`.
+
+    Verifying hashes the mapping itself: the bytes stay page-cache pages the kernel may reclaim,
+    not a second (anonymous) copy that counts against a memory cap until the block is dropped.
+    """
     record = store.manifest.parts[part]
     tensors: dict[str, torch.Tensor] = {}
     for file_name in record.files:
-        mapping = _map_file(store, file_name)
+        mapping = _map_file(store, file_name, verify)
         for name in record.tensors:
             meta = store.manifest.tensors[name]
             if meta.file == file_name:
@@ -38,7 +43,7 @@ def map_part(store: Store, part: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _map_file(store: Store, file_name: str) -> mmap.mmap:
+def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
     path = store.root / file_name
     expected = store.manifest.files[file_name].size
     try:
@@ -51,9 +56,14 @@ def _map_file(store: Store, file_name: str) -> mmap.mmap:
             raise StoreCorrupt(
                 f"{path} is {size} bytes but the manifest says {expected}; re-run `shardstream convert` to repair the store."
             )
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)  # start reading the whole file now
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private and writable: torch.frombuffer wants that
     finally:
         os.close(fd)
     mapping.madvise(mmap.MADV_WILLNEED)
-    np.frombuffer(mapping, dtype=np.uint8)[::PAGE].max()  # fault every page in now, on this thread
+    if verify:  # hashing reads every page, on this thread
+        if checksum_bytes(mapping) != store.manifest.files[file_name].xxh3_128:
+            raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+    elif size:
+        np.frombuffer(mapping, dtype=np.uint8)[::PAGE].max()  # fault every page in now, on this thread
     return mapping

@@ -34,7 +34,7 @@ def build_meta_model(store: Store, dtype: torch.dtype | None) -> PreTrainedModel
     try:
         config = AutoConfig.from_pretrained(store.root)
         with parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype or _config_dtype(config))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or config_dtype(config))
     except (ValueError, KeyError) as error:
         raise UnsupportedModel(
             f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
@@ -43,7 +43,7 @@ def build_meta_model(store: Store, dtype: torch.dtype | None) -> PreTrainedModel
     return model.eval()
 
 
-def _config_dtype(config) -> torch.dtype:
+def config_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -59,7 +59,7 @@ def _check_files(store: Store) -> None:
             )
 
 
-def _common_module(names: set[str]) -> str:
+def common_module(names: set[str]) -> str:
     """The deepest module name that contains every one of these parameter names."""
     split = [name.split(".")[:-1] for name in names]
     prefix = os.path.commonprefix(split)
@@ -126,7 +126,7 @@ class StreamingModel:
         prefixes = []
         for index in range(self.store.num_layers):
             names = mapper.target_names(self.store.tensor_names(f"mid/{index}"))
-            prefix = _common_module(names) if names else ""
+            prefix = common_module(names) if names else ""
             if not prefix:
                 raise UnsupportedModel(
                     f"part mid/{index} of the store at {self.store.root} does not map onto one module of "
