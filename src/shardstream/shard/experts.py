@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from ..errors import InvalidOption, PartNotFound, StoreIncomplete
+from ..errors import InvalidOption, PartNotFound
 from ..naming import Part
 from ..atomic import discard_temp_files, write_bytes_atomic
 from ..store.checksum import checksum_file
@@ -30,7 +30,7 @@ from ..store.reader import Store
 from ..store.writer import write_encoded
 from ..store.remote import RemoteStore
 from ..store.verify import Problem
-from .index import INDEX_NAME, ExpertRecord, ShardIndex, checked, load_index, read_store_file
+from .index import INDEX_NAME, ExpertRecord, ShardIndex, checked, load_index, read_path, read_store_file
 
 RELOCATION_STEPS = ("copy", "verify", "index", "remove")
 
@@ -66,7 +66,7 @@ def tier_root(store: Store, index: ShardIndex, tier: str) -> Path:
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
     """Write every expert to its tier (`placement[(layer, expert)]`, else where it already is, else
     the first tier) and record it; re-running rewrites the same files."""
-    index = load_index(store)
+    index = load_index(store, for_update=True)
     for name, root in tiers.items():
         if not Path(root).is_absolute():
             check_relative(root, "--tiers")
@@ -101,7 +101,7 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
     """Move one expert to `tier`: copy, verify, switch the index, remove the old copy.
 
     `on_step(name)` is called after each of RELOCATION_STEPS (progress, and the crash tests)."""
-    index = load_index(store)
+    index = load_index(store, for_update=True)
     record = _record(store, index, layer, expert)
     if tier not in index.tiers:
         raise InvalidOption(f"{store.root}/{INDEX_NAME} has no tier {tier!r} (it has {', '.join(index.tiers)}); pick one of those.")
@@ -138,7 +138,7 @@ class Expert:
 
     @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
-        data = bytearray(_read(self.store, self.index, self.record))
+        data = _read(self.store, self.index, self.record)
         checked(data, self.index.files[self.record.file], self._where())
         return {n: tensor_from_bytes(data, r["offset"], r["dtype"], r["shape"]) for n, r in self.record.tensors.items()}
 
@@ -174,7 +174,7 @@ def _record(store: Store, index: ShardIndex, layer: int, expert: int) -> ExpertR
         ) from None
 
 
-def _read(store: Store, index: ShardIndex, record: ExpertRecord) -> bytes:
+def _read(store: Store, index: ShardIndex, record: ExpertRecord) -> bytearray:
     root = index.tiers[record.tier]["root"]
     if not Path(root).is_absolute():
         return read_store_file(store, str(PurePosixPath(root) / record.file))
@@ -183,8 +183,4 @@ def _read(store: Store, index: ShardIndex, record: ExpertRecord) -> bytes:
             f"expert {record.group}:{record.expert} is on tier {record.tier!r} at {root}, outside the store; "
             "relocate it to a tier inside the store to serve it over HTTP."
         )
-    path = Path(root) / record.file
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise StoreIncomplete(f"{path} is missing; run `shardstream verify` and re-run `shardstream shard --experts`.") from None
+    return read_path(Path(root) / record.file)

@@ -8,6 +8,7 @@ the new one, never a mix. Files it names are checked against its checksums befor
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -91,26 +92,57 @@ class ShardIndex:
         return index
 
 
-def load_index(store: Store) -> ShardIndex:
-    """The store's sharding index, or an empty one when the store was never sharded."""
+def load_index(store: Store, for_update: bool = False) -> ShardIndex:
+    """The store's sharding index, or an empty one when the store was never sharded.
+
+    Readers share one parsed copy per version of the file (parsing costs milliseconds, on every
+    rank or expert load otherwise); a caller that will change and save the index passes
+    `for_update` and gets its own copy.
+    """
+    version = _index_version(store)
+    cached = getattr(store, "_sharding_index", None)
+    if not for_update and cached is not None and cached[0] == version:
+        return cached[1]
     try:
         raw = read_store_file(store, INDEX_NAME)
     except StoreIncomplete:
         return ShardIndex()
-    return ShardIndex.from_bytes(raw, f"{store.root}/{INDEX_NAME}")
+    index = ShardIndex.from_bytes(raw, f"{store.root}/{INDEX_NAME}")
+    if not for_update:
+        store._sharding_index = (version, index)
+    return index
 
 
-def read_store_file(store: Store, name: str, offset: int = 0, length: int | None = None) -> bytes:
+def _index_version(store: Store) -> tuple[int, int, int] | None:
+    """Identity of a local index file (every save is a new inode); None for a remote store,
+    whose index is read once per open."""
+    if isinstance(store, RemoteStore):
+        return None
+    try:
+        stat = (Path(store.root) / INDEX_NAME).stat()
+    except FileNotFoundError:
+        return (-1, -1, -1)
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def read_store_file(store: Store, name: str, offset: int = 0, length: int | None = None) -> bytearray:
     """Raw bytes of a file under the store root, local or remote (no checksum: callers check)."""
     if isinstance(store, RemoteStore):
-        return store.read_bytes(name, offset, length)
-    path = Path(store.root) / name
+        return bytearray(store.read_bytes(name, offset, length))
+    return read_path(Path(store.root) / name, offset, length)
+
+
+def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearray:
+    """A local file's bytes in a writable buffer that tensors can view without another copy."""
     try:
-        with open(path, "rb") as handle:
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size - offset if length is None else length
+            data = bytearray(max(size, 0))
             handle.seek(offset)
-            return handle.read() if length is None else handle.read(length)
+            got = handle.readinto(data)
     except FileNotFoundError:
-        raise StoreIncomplete(f"{path} is missing; re-run `shardstream shard` to rewrite it.") from None
+        raise StoreIncomplete(f"{path} is missing; run `shardstream verify`, then `shardstream shard` to rewrite it.") from None
+    return data[:got] if got < len(data) else data
 
 
 def checked(data: bytes, record: FileRecord, where: str) -> bytes:

@@ -63,7 +63,7 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
     """Write every part's slices for `size` ranks (experts excluded: they are placed, not sliced)."""
     if size < 1:
         raise InvalidOption(f"--tp must be at least 1, got {size}; pass the number of ranks.")
-    index = load_index(store)
+    index = load_index(store, for_update=True)
     index.slices = [s for s in index.slices if s.count != size]
     experts = {n for n, r in store.manifest.tensors.items() if r.expert is not None}
     family = store.manifest.family
@@ -94,5 +94,5 @@ def load_tp(store: Store, part: str, tp_rank: int, tp_size: int, device: str | t
             f"`shardstream shard {store.root} --tp {tp_size}` first."
         )
     name = records[0].file
-    data = bytearray(checked(read_store_file(store, name), index.files[name], f"{store.root}/{name}"))
+    data = checked(read_store_file(store, name), index.files[name], f"{store.root}/{name}")
     return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}
