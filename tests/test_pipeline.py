@@ -13,10 +13,7 @@ import time
 import httpx
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
-from shardstream.convert import convert
 from shardstream.errors import AuthenticationFailed, PlanInfeasible, SourceUnreachable
 from shardstream.pipeline.cli import coordinator_command
 from shardstream.pipeline.client import AgentClient
@@ -26,29 +23,17 @@ from shardstream.pipeline.local import free_port, spawn_agents
 from shardstream.pipeline.package import package_stage
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
-from tiny_models import save_checkpoint
+from tiny_models import llama_store_with_tokenizer
 
 TOKEN = "test-token"
 PROMPT = "Once upon a time"
 
 
-def _char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character; ids fit the tiny models' 128-entry vocabulary."""
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(store, reference model, tokenizer)."""
-    folder = tmp_path_factory.mktemp("pipeline")
-    reference = save_checkpoint("llama", folder / "ckpt")
-    tokenizer = _char_tokenizer()
-    tokenizer.save_pretrained(folder / "ckpt")
-    convert(folder / "ckpt", folder / "store", progress=False)
-    return open_store(folder / "store"), reference, tokenizer
+    store, reference, tokenizer = llama_store_with_tokenizer(tmp_path_factory.mktemp("pipeline"))
+    return open_store(store), reference, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,37 +10,21 @@ import time
 import httpx
 import pytest
 import uvicorn
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
-from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.stream import AutoModel
 from shardstream.stream.cli import generate_command
 from shardstream.stream.server import create_app
 from shardstream.stream.text import load_tokenizer
-from tiny_models import save_checkpoint
+from tiny_models import llama_store_with_tokenizer
 
 PROMPT = "Hello, world"
-
-
-def _char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character; ids fit the tiny models' 128-entry vocabulary."""
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(store path, reference model, tokenizer)."""
-    folder = tmp_path_factory.mktemp("cli")
-    reference = save_checkpoint("llama", folder / "ckpt")
-    tokenizer = _char_tokenizer()
-    tokenizer.save_pretrained(folder / "ckpt")
-    convert(folder / "ckpt", folder / "store", progress=False)
-    return folder / "store", reference, tokenizer
+    return llama_store_with_tokenizer(tmp_path_factory.mktemp("cli"))
 
 
 def _greedy_text(reference, tokenizer, prompt: str, new_tokens: int) -> str:

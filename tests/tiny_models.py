@@ -53,3 +53,25 @@ def save_checkpoint(family: str, folder: Path, max_shard_size: str = "40KB", see
     model = tiny_model(family, seed, dtype)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return model
+
+
+def char_tokenizer():
+    """One token per printable ASCII character; ids fit the tiny models' 128-entry vocabulary."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def llama_store_with_tokenizer(folder: Path):
+    """A converted tiny Llama store with a char tokenizer: (store path, reference model, tokenizer)."""
+    from shardstream.convert import convert
+
+    reference = save_checkpoint("llama", folder / "ckpt")
+    tokenizer = char_tokenizer()
+    tokenizer.save_pretrained(folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", progress=False)
+    return folder / "store", reference, tokenizer
