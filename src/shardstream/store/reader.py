@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,12 +101,18 @@ class Store:
         base = min(record.offset, record.quant["absmax"]["offset"]) if record.quant else record.offset
         return decode_tensor(data, base, record).to(device)
 
-    def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False) -> dict[str, torch.Tensor]:
-        """All tensors of one part, dequantized, on `device`; tied tensors included."""
+    def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False,
+             read: Callable[[str], bytearray | mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
+        """All tensors of one part, dequantized, on `device`; tied tensors included.
+
+        `read(file_name)` supplies each file's bytes (default: `read_file`, a checked copy); the
+        streaming runtime passes one that maps the file instead.
+        """
         record = self._part(part)
+        read = read or (lambda name: self.read_file(name, verify=verify))
         tensors: dict[str, torch.Tensor] = {}
         for file_name in record.files:
-            buffer = self.read_file(file_name, verify=verify)
+            buffer = read(file_name)
             for name in record.tensors:
                 meta = self.manifest.tensors[name]
                 if meta.file == file_name:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..store import Store
-from .mapped import map_part
+from .mapped import cool, map_part
 from .weights import WeightMapper
 
 
@@ -21,6 +22,11 @@ class LoadedBlock:
     read_seconds: float
     ready: torch.cuda.Event | None = None
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # pinned copies kept alive until `ready`
+    mappings: list = field(default_factory=list)  # the mapped files, hinted cold when the block is released
+
+    def cool(self) -> None:
+        """The block has run: its pages are the first the kernel should reclaim (see mapped.cool)."""
+        cool(self.mappings)
 
     def wait(self) -> None:
         """Make the compute stream wait for the copy; the caching allocator must not reuse the memory early."""
@@ -49,21 +55,27 @@ class BlockLoader:
         self._verify = verify
         self._verified: set[str] = set()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._collect = threading.local()  # load() gathers the mappings that read() makes
 
     def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read."""
+        """Checkpoint tensors of these parts on the CPU (mapped files), checksum-verified on their first read."""
         tensors: dict[str, torch.Tensor] = {}
         for part in parts:
             verify = self._verify and part not in self._verified
-            tensors.update(map_part(self.store, part, verify=verify))
+            tensors.update(map_part(self.store, part, verify=verify, mappings=getattr(self._collect, "mappings", None)))
             if verify:
                 self._verified.add(part)
         return tensors
 
     def load(self, index: int) -> LoadedBlock:
         started = time.perf_counter()
-        params = self.mapper.convert(self.read([f"mid/{index}"]))
+        self._collect.mappings = mappings = []
+        try:
+            params = self.mapper.convert(self.read([f"mid/{index}"]))
+        finally:
+            self._collect.mappings = None
         block = self.to_device(index, params)
+        block.mappings = mappings
         block.read_seconds = time.perf_counter() - started
         return block
 

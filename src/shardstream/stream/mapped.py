@@ -18,29 +18,26 @@ import torch
 from ..errors import StoreCorrupt, StoreIncomplete
 from ..store import Store
 from ..store.checksum import checksum_bytes
-from ..store.partfile import decode_tensor
 
 PAGE = mmap.PAGESIZE
 
 
-def map_part(store: Store, part: str, verify: bool = False) -> dict[str, torch.Tensor]:
+def map_part(store: Store, part: str, verify: bool = False,
+             mappings: list[mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
     """Tensors of one part viewing private mappings of its files, checksummed when `verify`.
 
     Verifying hashes the mapping itself: the bytes stay page-cache pages the kernel may reclaim,
     not a second (anonymous) copy that counts against a memory cap until the block is dropped.
+    The mappings are appended to `mappings` when given (see `cool`).
     """
-    record = store.manifest.parts[part]
-    tensors: dict[str, torch.Tensor] = {}
-    for file_name in record.files:
+
+    def read(file_name: str) -> mmap.mmap:
         mapping = _map_file(store, file_name, verify)
-        for name in record.tensors:
-            meta = store.manifest.tensors[name]
-            if meta.file == file_name:
-                tensors[name] = decode_tensor(mapping, 0, meta)
-    for alias, info in store.manifest.aliases.items():
-        if info["part"] == part:
-            tensors[alias] = store.load_tensor(info["target"])
-    return tensors
+        if mappings is not None:
+            mappings.append(mapping)
+        return mapping
+
+    return store.load(part, read=read)
 
 
 def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
@@ -67,3 +64,22 @@ def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
     elif size:
         np.frombuffer(mapping, dtype=np.uint8)[::PAGE].max()  # fault every page in now, on this thread
     return mapping
+
+
+MADV_COLD = getattr(mmap, "MADV_COLD", 20)  # Linux 5.4+; Python's mmap module may not name it
+
+
+def cool(mappings: list[mmap.mmap]) -> None:
+    """Tell the kernel these pages are the first to reclaim (they are needed again only next token).
+
+    Under memory pressure (a model larger than memory), reading the next block must evict
+    something: without the hint the kernel may pick the pages the running block still needs, or
+    the head's. With no pressure nothing is evicted, so a warm page cache stays warm. Then drop
+    the references, so the mappings go with the last tensor viewing them.
+    """
+    for mapping in mappings:
+        try:
+            mapping.madvise(MADV_COLD)
+        except (OSError, ValueError):  # older kernel, or already closed
+            pass
+    mappings.clear()

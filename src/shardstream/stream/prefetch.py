@@ -7,6 +7,7 @@ walks that cycle. A semaphore bounds the blocks in memory at `depth + 1`: the on
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -24,6 +25,7 @@ class Prefetcher:
         self._order = order
         self._slots = threading.Semaphore(depth + 1)
         self._ready: queue.Queue = queue.Queue()
+        self._out: collections.deque[LoadedBlock] = collections.deque()  # handed out, not yet released
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="shardstream-prefetch", daemon=True)
         self._thread.start()
@@ -44,12 +46,18 @@ class Prefetcher:
         while True:
             got, block, error = self._ready.get()
             if got == index and error is None:
+                self._out.append(block)
                 return block, time.perf_counter() - started
-            self.release()
+            if block is not None:
+                block.cool()
+            self._slots.release()
             if got == index:
                 raise error
 
     def release(self) -> None:
+        """The oldest block handed out has run: hint its pages cold, free its slot."""
+        if self._out:
+            self._out.popleft().cool()
         self._slots.release()
 
     def close(self) -> None:
@@ -63,13 +71,17 @@ class DirectLoader:
 
     def __init__(self, load: Callable[[int], LoadedBlock]):
         self._load = load
+        self._out: LoadedBlock | None = None
 
     def get(self, index: int) -> tuple[LoadedBlock, float]:
         block = self._load(index)
+        self._out = block
         return block, block.read_seconds
 
     def release(self) -> None:
-        pass
+        block, self._out = self._out, None
+        if block is not None:
+            block.cool()
 
     def close(self) -> None:
         pass
