@@ -217,8 +217,8 @@ class Counter:
             self.files += 1
             return data
 
-        def counting_map(store, part, verify=False):
-            tensors = real_map(store, part, verify)
+        def counting_map(store, part, **options):
+            tensors = real_map(store, part, **options)
             if not self.count_parts:
                 return tensors
             names = set(tensors)
