@@ -21,8 +21,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -n 2 -q
 
-bench: setup
-	$(PY) benchmarks/convert.py
+bench: setup   # each prints a markdown table; docs/BENCHMARKS.md holds the latest run's figures
+	$(PY) benchmarks/convert.py --out artifacts/bench_convert.md
+	$(PY) benchmarks/stream.py
+	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/planner.py --repeat 5
+	$(PY) benchmarks/data.py
+	$(PY) benchmarks/shard.py
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache
