@@ -73,7 +73,7 @@ def convert(
         layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
         token=token, revision=revision, progress=progress,
     )
-    console.print(report.summary())
+    console.print(report.summary(), soft_wrap=True, highlight=False)
 
 
 @app.command()

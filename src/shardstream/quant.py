@@ -12,6 +12,7 @@ Codes, packing order and the stored absmax follow bitsandbytes, so either side c
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -345,6 +346,8 @@ def _bnb_kernels() -> object | None:
     Dequantized values must be equal; quantized absmax equal, NF4 codes equal, 8-bit codes within
     a few steps (bitsandbytes' approximate search).
     """
+    # bitsandbytes warns on import about a CPU matmul kernel package we never use; keep it quiet
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
 
