@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shardstream.errors import InvalidOption, StoreCorrupt
 

@@ -1,8 +1,9 @@
 """The agent: a FastAPI control plane on each device plus the ZeroMQ data plane of its stage.
 
 Control (bearer token on every endpoint): health, capabilities, profiles, pings, loading and
-unloading a stage. Data: one thread receives activations, runs the loaded stage and pushes the
-result on. A stage is loaded `metadata_only` (downloaded, verified, cached) or materialized.
+unloading a stage; health also counts the expert files an on-demand MoE stage has read. Data: one
+thread receives activations, runs the loaded stage and pushes the result on. A stage is loaded
+`metadata_only` (downloaded, verified, cached) or materialized.
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def create_agent_app(agent: Agent) -> FastAPI:
     @app.get("/v1/health")
     def health() -> dict:
         loaded = agent.loaded
+        experts = loaded.model.experts if loaded and loaded.model else None
         return {"name": agent.name, "ok": True, "stage_id": loaded.stage_id if loaded else None,
-                "epoch": loaded.epoch if loaded else None}
+                "epoch": loaded.epoch if loaded else None, "expert_loads": experts.loads if experts else None}
 
     @app.get("/v1/capabilities")
     def capabilities() -> dict:

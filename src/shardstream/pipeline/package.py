@@ -1,6 +1,10 @@
 """A stage as a folder of plain files: the store's files for its parts, its config, the store
 manifest, and `stage.json`, the stage manifest that lists every file with size and checksum.
 
+A stage of a model whose experts were placed on tiers (`place_experts`) also gets its blocks'
+expert files, wherever their tier is, and its own `sharding.json` naming just those, every tier
+rooted inside the stage folder: the agent reads experts from there, checksum-verified on use.
+
 The stage id is the checksum of `stage.json`, so an agent that already holds a stage with that id
 (from an earlier plan epoch) need not download it again. Files are hard links into the store where
 the file system allows, else streamed copies: packaging never holds more than a copy buffer.
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import write_bytes_atomic
+from ..shard.experts import tier_root
+from ..shard.index import INDEX_NAME, ShardIndex, load_index
 from ..store import MANIFEST_NAME, Store
 from ..store.checksum import checksum_bytes, checksum_file
 from .planner import Plan
@@ -40,30 +46,49 @@ def stage_parts(store: Store, first: int, last: int) -> list[str]:
 
 
 def stage_manifest(store: Store, first: int, last: int) -> bytes:
-    """The canonical `stage.json`: weight files (with the files that tied tensors point into) and meta files."""
+    """The canonical `stage.json`: weight files (with the files that tied tensors point into), the
+    blocks' placed experts with their index, and meta files."""
+    return _stage_files(store, first, last)[0]
+
+
+def _stage_files(store: Store, first: int, last: int) -> tuple[bytes, dict[str, Path | bytes]]:
+    """`stage.json`, and where each of its files comes from: a path, or bytes made for the stage."""
     manifest = store.manifest
-    files = {}
+    files, sources = {}, {}
     for part in stage_parts(store, first, last):
         targets = [manifest.tensors[a["target"]].file for a in manifest.aliases.values() if a["part"] == part]
         for name in [*manifest.parts[part].files, *targets]:
             record = manifest.files[name]
-            files[name] = {"size": record.size, "xxh3_128": record.xxh3_128}
+            files[name], sources[name] = {"size": record.size, "xxh3_128": record.xxh3_128}, store.root / name
+    index = load_index(store)
+    experts = {key: r for key, r in index.experts.items() if first <= r.group < last}
+    if experts:
+        for record in experts.values():
+            files[record.file] = {"size": index.files[record.file].size, "xxh3_128": index.files[record.file].xxh3_128}
+            sources[record.file] = tier_root(store, index, record.tier) / record.file
+        sources[INDEX_NAME] = ShardIndex(
+            tiers={name: {**tier, "root": "."} for name, tier in index.tiers.items()}, experts=experts,
+            files={r.file: index.files[r.file] for r in experts.values()}).to_bytes()
+        files[INDEX_NAME] = {"size": len(sources[INDEX_NAME]), "xxh3_128": checksum_bytes(sources[INDEX_NAME])}
     for name in META_FILES:
         path = store.root / name
         if path.is_file():
-            files[name] = {"size": path.stat().st_size, "xxh3_128": checksum_file(path)}
+            files[name], sources[name] = {"size": path.stat().st_size, "xxh3_128": checksum_file(path)}, path
     body = {"format": 1, "first": first, "last": last, "num_layers": store.num_layers, "files": files}
-    return json.dumps(body, sort_keys=True, indent=1).encode()
+    return json.dumps(body, sort_keys=True, indent=1).encode(), sources
 
 
 def package_stage(store: Store, first: int, last: int, root: Path) -> StagePackage:
     """Write (or reuse) the stage's folder under `root`, named by its stage id."""
-    body = stage_manifest(store, first, last)
+    body, sources = _stage_files(store, first, last)
     stage_id = checksum_bytes(body)
     folder = Path(root) / stage_id
     if not (folder / STAGE_MANIFEST).is_file():
-        for name in json.loads(body)["files"]:
-            _link_or_copy(store.root / name, folder / name)
+        for name, source in sources.items():
+            if isinstance(source, bytes):
+                write_bytes_atomic(folder / name, source)
+            else:
+                _link_or_copy(source, folder / name)
         write_bytes_atomic(folder / STAGE_MANIFEST, body)
     return StagePackage(first, last, folder, stage_id)
 

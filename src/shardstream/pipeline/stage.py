@@ -7,18 +7,25 @@ on a full meta model (checkpoint names keep the global block index) and renumber
 A later stage receives hidden states: they go in as `inputs_embeds` and a pre-hook on the first
 block puts them back unchanged (some families scale embeddings inside `forward`); an earlier stage
 stops right after its last block, before the final norm, which it does not hold.
+When the stage's experts are placed on tiers, its blocks load without them and the streaming
+runtime's `OnDemandExperts` reads only the experts the router picks (from the stage's own tiers).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from ..errors import InvalidOption, UnsupportedModel
+from ..shard import load_index
 from ..store import Store
+from ..stream.experts import OnDemandExperts
 from ..stream.model import common_module, config_dtype, build_meta_model
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta
 
@@ -47,8 +54,12 @@ class StageModel:
         global_prefixes = [common_module(mapper.target_names(store.tensor_names(f"mid/{i}"))) for i in range(first, last)]
         self.model = _stage_meta_model(store, first, last)
         prefixes = [_renumbered(p, k) for k, p in enumerate(global_prefixes)]
+        renamed = _GlobalNames(self.model, dict(zip(global_prefixes, prefixes)))
+        self.experts = _on_demand_experts(store, first, last, renamed, mapper)
+        skip = self.experts.checkpoint_names if self.experts else set()
         for index, (old, new) in enumerate(zip(global_prefixes, prefixes)):
-            params = mapper.convert(store.load(f"mid/{first + index}", verify=True))
+            tensors = store.load(f"mid/{first + index}", verify=True)
+            params = mapper.convert({name: tensor for name, tensor in tensors.items() if name not in skip})
             Slots(self.model.get_submodule(new), new).fill(
                 {new + name[len(old):]: tensor for name, tensor in params.items()})
         self._fill_outside(store, mapper, prefixes)
@@ -135,6 +146,30 @@ class StageModel:
     def end(self, session: str) -> None:
         with self._lock:
             self._caches.pop(session, None)
+
+
+class _GlobalNames:
+    """The stage model under the full model's module names (global block index), as
+    `OnDemandExperts` names the modules it hooks."""
+
+    def __init__(self, model: nn.Module, renamed: dict[str, str]):
+        self._model, self._renamed = model, renamed
+
+    def get_submodule(self, name: str) -> nn.Module:
+        block = next(old for old in self._renamed if name == old or name.startswith(old + "."))
+        return self._model.get_submodule(self._renamed[block] + name[len(block):])
+
+
+def _on_demand_experts(store: Store, first: int, last: int, model: _GlobalNames,
+                       mapper: WeightMapper) -> OnDemandExperts | None:
+    """On-demand experts for blocks [first, last) when theirs are placed on tiers, else None.
+    `OnDemandExperts` wants every expert of its store placed, so it sees only this stage's tensors."""
+    if not any(first <= record.group < last for record in load_index(store).experts.values()):
+        return None
+    parts = {f"mid/{i}" for i in range(first, last)}
+    own = copy.copy(store)
+    own.manifest = replace(store.manifest, tensors={n: r for n, r in store.manifest.tensors.items() if r.part in parts})
+    return OnDemandExperts(own, model, mapper, torch.device("cpu"))
 
 
 def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:

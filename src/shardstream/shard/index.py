@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from ..store.checksum import checksum_bytes
-from ..store.manifest import FORMAT_VERSION, FileRecord, canonical_json, check_relative, load_manifest
+from ..store.manifest import FORMAT_VERSION, FileRecord, canonical_json, check_relative, load_manifest, sealed
 from ..store.reader import Store
 from ..store.remote import RemoteStore
 
@@ -58,10 +58,12 @@ class ShardIndex:
     files: dict[str, FileRecord] = field(default_factory=dict)     # every TP and expert file (expert paths name their tier)
     format_version: int = FORMAT_VERSION
 
+    def to_bytes(self) -> bytes:
+        """The self-checksummed index, e.g. for a pipeline stage's own copy."""
+        return canonical_json(sealed(asdict(self)))
+
     def save(self, root: Path) -> None:
-        body = asdict(self)
-        body["checksum"] = checksum_bytes(canonical_json(body))
-        write_json_atomic(Path(root) / INDEX_NAME, body)
+        write_json_atomic(Path(root) / INDEX_NAME, sealed(asdict(self)))
         manifest = load_manifest(root)
         if manifest.sharding != INDEX_NAME:   # first export: the manifest points at the index
             manifest.sharding = INDEX_NAME

@@ -63,9 +63,7 @@ class Manifest:
     complete: bool = False
 
     def to_dict(self) -> dict:
-        body = asdict(self)
-        body["checksum"] = checksum_bytes(canonical_json(body))
-        return body
+        return sealed(asdict(self))
 
     def save(self, root: Path) -> None:
         write_json_atomic(Path(root) / MANIFEST_NAME, self.to_dict())
@@ -103,6 +101,12 @@ class Manifest:
 
 
 _NESTED = {"parts", "files", "tensors"}
+
+
+def sealed(body: dict) -> dict:
+    """`body` plus the checksum of its canonical JSON: how the manifest and the sharding index
+    protect themselves against edits and damage."""
+    return {**body, "checksum": checksum_bytes(canonical_json(body))}
 
 
 def canonical_json(body: dict) -> bytes:
