@@ -230,6 +230,16 @@ def airllm_run(src: Path, scratch: Path, shape: Shape, python: str) -> Run | str
     return run
 
 
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median time, noting the spread of all of them."""
+    ordered = sorted(runs, key=lambda r: r.seconds)
+    middle = ordered[len(ordered) // 2]
+    if len(runs) > 1:
+        spread = f"median of {len(runs)} ({ordered[-1].rate:,.0f}-{ordered[0].rate:,.0f} MB/s)"
+        middle.note = f"{middle.note}; {spread}" if middle.note else spread
+    return middle
+
+
 def mb(value: int | None) -> str:
     return "" if value is None else f"{value / MB:,.0f}"
 
@@ -260,6 +270,7 @@ def main() -> None:
     parser.add_argument("--disk-probe-gb", type=float, default=1.0)
     parser.add_argument("--airllm-python", default="/tmp/airllm-venv/bin/python")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of cp / plain / sequential (median reported)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -271,14 +282,20 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     write_speed, read_speed = _measure.disk_speed(scratch, int(args.disk_probe_gb * 1e9))
 
-    cp, cp_sync = cp_runs(src, scratch, shape.total)
-    runs = [cp, cp_sync]
-    runs.append(convert_in_child("shardstream plain", str(src), scratch / "out", shape))
-    copy = scratch / "seq-source"   # sequential mode deletes its source shards: convert a copy
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(src, copy)
-    runs.append(convert_in_child("shardstream sequential", str(copy), scratch / "out", shape, sequential=True))
-    shutil.rmtree(copy, ignore_errors=True)
+    # The disk's speed swings between runs (cp -r alone varied 2x here), so cp and the two main
+    # modes run interleaved, `--repeat` times, and each row reports its median run.
+    rounds: dict[str, list[Run]] = {}
+    for _ in range(args.repeat):
+        for run in (*cp_runs(src, scratch, shape.total), convert_in_child("shardstream plain", str(src), scratch / "out", shape)):
+            rounds.setdefault(run.label, []).append(run)
+        copy = scratch / "seq-source"   # sequential mode deletes its source shards: convert a copy
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(src, copy)
+        run = convert_in_child("shardstream sequential", str(copy), scratch / "out", shape, sequential=True)
+        rounds.setdefault(run.label, []).append(run)
+        shutil.rmtree(copy, ignore_errors=True)
+    runs = [median_run(r) for r in rounds.values()]
+    cp, cp_sync = runs[0], runs[1]
     http, peak_disk, final_disk = http_sequential(src, scratch, shape)
     runs.append(http)
     for compression in ("8bit", "4bit"):
