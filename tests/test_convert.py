@@ -274,3 +274,5 @@ def test_maps_from_a_real_index(tmp_path):
     for part, shards in plan.part_shards.items():
         assert shards == {index[n] for n in plan.part_tensors[part]}
     assert any(len(s) > 1 for s in plan.part_shards.values()), "some layer spans two shards"
+    assert {(n, shard) for shard, names in plan.shard_tensors.items() for n in names} == \
+        {(n, shard) for n, shard in index.items() if n != "lm_head.weight"}

@@ -76,6 +76,7 @@ class Plan:
     expert_of: dict[str, int]                # tensor -> expert id (MoE, per-expert names)
     part_tensors: dict[str, set[str]]        # part -> tensors it needs
     part_shards: dict[str, set[str]]         # part -> shards holding them
+    shard_tensors: dict[str, list[str]]      # shard -> tensors it holds (in index order)
     expected_parts: list[str]
     tied: tuple[str, str, str] | None        # (head name, embedding name, head's part)
 
@@ -92,6 +93,7 @@ def make_plan(config: dict, weight_map: dict[str, str]) -> Plan:
     part_of, expert_of = {}, {}
     part_tensors: dict[str, set[str]] = defaultdict(set)
     part_shards: dict[str, set[str]] = defaultdict(set)
+    shard_tensors: dict[str, list[str]] = defaultdict(list)
     for name, shard in names.items():
         route = router.route(name)
         part_of[name] = route.part.path
@@ -99,12 +101,14 @@ def make_plan(config: dict, weight_map: dict[str, str]) -> Plan:
             expert_of[name] = route.expert
         part_tensors[route.part.path].add(name)
         part_shards[route.part.path].add(shard)
+        shard_tensors[shard].append(name)
     expected = [p.path for p in router.parts()]
     if tied and tied[2] not in expected:
         expected.append(tied[2])
     for part in expected:
         part_tensors.setdefault(part, set())
-    return Plan(router, names, part_of, expert_of, dict(part_tensors), dict(part_shards), expected, tied)
+    return Plan(router, names, part_of, expert_of, dict(part_tensors), dict(part_shards), dict(shard_tensors),
+                expected, tied)
 
 
 def convert(
@@ -206,7 +210,7 @@ class _Job:
 
     def _run(self) -> None:
         shards = self.src.shard_names()
-        todo = [s for s in shards if self._needed(s)]
+        todo = [s for s in shards if self._wanted(s)]
         for shard in shards:
             if shard not in todo and self.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
@@ -227,11 +231,10 @@ class _Job:
             for shard in todo:
                 self.src.release(shard, delete=False)
 
-    def _needed(self, shard: str) -> bool:
-        return any(
-            s == shard and self.plan.part_of[n] not in self.completed and n not in self.stored
-            for n, s in self.plan.weight_map.items()
-        )
+    def _wanted(self, shard: str) -> list[str]:
+        """The shard's tensors not yet stored, in parts not yet complete: what it is read for."""
+        return [n for n in self.plan.shard_tensors.get(shard, ())
+                if n not in self.stored and self.plan.part_of[n] not in self.completed]
 
     def _fetch(self, shard: str, index: int) -> tuple[Path, float]:
         self._check_disk(shard, index)
@@ -270,8 +273,7 @@ class _Job:
             raise CorruptShard(
                 f"shard {shard} is corrupt ({exc}); delete it and download the checkpoint again."
             ) from None
-        wanted = [n for n, s in self.plan.weight_map.items()
-                  if s == shard and n not in self.stored and self.plan.part_of[n] not in self.completed]
+        wanted = self._wanted(shard)
         touched: list[str] = []
         for name, tensor, seconds in _read_tensors(path, header, wanted):
             part = self.plan.part_of[name]
