@@ -75,13 +75,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, body: dict, where: str) -> "Manifest":
-        body = dict(body)
-        stated = body.pop("checksum", None)
-        if stated != checksum_bytes(canonical_json(body)):
-            raise StoreCorrupt(
-                f"{where} fails its own checksum (edited or damaged); re-run `shardstream convert` "
-                "to rebuild the store."
-            )
+        body = unsealed(body, where, "re-run `shardstream convert` to rebuild the store")
         version = body.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise StoreCorrupt(
@@ -107,6 +101,14 @@ def sealed(body: dict) -> dict:
     """`body` plus the checksum of its canonical JSON: how the manifest and the sharding index
     protect themselves against edits and damage."""
     return {**body, "checksum": checksum_bytes(canonical_json(body))}
+
+
+def unsealed(body: dict, where: str, remedy: str) -> dict:
+    """`body` without its checksum, once the checksum is shown to match (the inverse of `sealed`)."""
+    body = dict(body)
+    if body.pop("checksum", None) != checksum_bytes(canonical_json(body)):
+        raise StoreCorrupt(f"{where} fails its own checksum (edited or damaged); {remedy}.")
+    return body
 
 
 def canonical_json(body: dict) -> bytes:
