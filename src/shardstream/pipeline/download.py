@@ -8,6 +8,7 @@ cache folder is named by the stage id and counts as complete once its `stage.jso
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,8 @@ def _stream_to(client: httpx.Client, url: str, path: Path) -> tuple[int, str]:
             hasher.update(chunk)
             out.write(chunk)
             size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())   # durable before the caller renames it into place
     return size, hasher.hexdigest()
 
 
