@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from http_server import serve_directory, serve_hub
 
+from shardstream.ports import free_port
 from shardstream.errors import CorruptShard, SourceNotFound, SourceUnreachable, UnsupportedModel, UntrustedPath
 from shardstream.sources import HttpSource, LocalSource, open_source
 from shardstream.sources.base import INDEX_FILE, SINGLE_FILE
@@ -52,12 +52,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 def sharded_copy(ckpt: SimpleNamespace, tmp_path: Path) -> Path:
     """A private copy for tests that delete or damage files."""
     return Path(shutil.copytree(ckpt.sharded, tmp_path / "model"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Local folders.

@@ -11,7 +11,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -20,7 +19,8 @@ from pathlib import Path
 import torch
 
 from shardstream import errors
-from shardstream.atomic import write_with_atomic
+from shardstream.atomic import fsync_dir, write_with_atomic
+from shardstream.ports import free_port
 from shardstream.data.model import average_state_dicts, load_model, load_tokenizer
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import STATE_FILENAME, read_state, write_state
@@ -68,15 +68,9 @@ def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path, p
         sys.exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_processes(cfg: TrainConfig, budget: Budget, results: Path) -> list[dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_process_main, args=(cfg, i, budget, results, port), daemon=False) for i in range(cfg.processes)]
     for p in procs:
         p.start()
@@ -118,7 +112,10 @@ def save_checkpoint(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> None:
         model.save_pretrained(tmp)
         load_tokenizer(cfg.model, cfg.tokenizer).save_pretrained(tmp)
         for file in tmp.iterdir():
+            with open(file, "rb+") as handle:
+                os.fsync(handle.fileno())   # durable before it takes the final name
             os.replace(file, cfg.output / file.name)
+        fsync_dir(cfg.output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

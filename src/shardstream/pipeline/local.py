@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from ..errors import SourceUnreachable
+from ..ports import free_port
 
 
 @dataclass
@@ -34,12 +34,6 @@ class LocalAgent:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0) -> list[LocalAgent]:
