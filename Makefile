@@ -19,7 +19,7 @@ demo: setup
 	$(PY) scripts/demo.py --workdir $(DEMO_DIR)
 
 test: setup
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist loadfile -q
 
 bench: setup   # each prints a markdown table; docs/BENCHMARKS.md holds the latest run's figures
 	$(PY) benchmarks/convert.py --out artifacts/bench_convert.md
