@@ -21,7 +21,7 @@ from shardstream.convert import convert
 LAYERS, HIDDEN, INTERMEDIATE = 9, 1024, 4096
 SLACK = 40 * 2**20  # KV cache, activations, allocator and thread overhead
 
-PROBE = textwrap.dedent("""
+PROBE = textwrap.dedent(r"""
     import json, re, sys
     import psutil, torch
     from shardstream.stream import AutoModel

@@ -7,6 +7,7 @@ walks that cycle. A semaphore bounds the blocks in memory at `depth + 1`: the on
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import queue
@@ -29,6 +30,9 @@ class Prefetcher:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="shardstream-prefetch", daemon=True)
         self._thread.start()
+        # A daemon thread still inside a torch read when the interpreter exits aborts the process
+        # ("terminate called without an active exception"): stop it first.
+        atexit.register(self.close)
 
     def _run(self) -> None:
         for index in itertools.cycle(self._order):
@@ -61,9 +65,10 @@ class Prefetcher:
         self._slots.release()
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._stopped = True
         self._slots.release()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=60)
 
 
 class DirectLoader:
