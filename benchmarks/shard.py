@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _measure import MB, cpu_model, evict, markdown_table  # noqa: E402
 
-import shardstream.shard.experts as shard_experts  # noqa: E402
-import shardstream.stream.loader as stream_loader  # noqa: E402
+from shardstream.shard import Expert  # noqa: E402
 from shardstream.convert import convert  # noqa: E402
 from shardstream.shard import export_tp, load_index, load_tp, place_experts, verify_experts_and_slices  # noqa: E402
 from shardstream.store import open_store  # noqa: E402
@@ -114,7 +113,7 @@ def moe_store(work: Path):
     if not (root / "manifest.json").exists():
         convert(src, root, progress=False)
     store = open_store(root)
-    if not load_index(store).experts:
+    if any(r.expert is not None for r in store.manifest.tensors.values()):   # not yet stored apart
         layers, experts = MIXTRAL["num_hidden_layers"], MIXTRAL["num_local_experts"]
         placement = {(layer, e): ("cold" if e >= experts // 2 else "hot") for layer in range(layers) for e in range(experts)}
         place_experts(store, {"hot": ".", "cold": str(cold_tier.resolve())}, placement=placement)
@@ -199,34 +198,22 @@ def bench_verify(store) -> str:
 # -- 3. MoE decoding --------------------------------------------------------------------------------
 
 class Counter:
-    """Expert bytes read: on-demand expert files (`_read`) and expert tensors inside mapped parts."""
+    """Expert bytes read: every expert file read (`Expert.raw`), by either mode (experts are stored apart)."""
 
     def __init__(self, store):
-        self.expert_in_part: dict[str, int] = {}
-        for record in store.manifest.tensors.values():
-            if record.expert is not None:
-                self.expert_in_part[record.part] = self.expert_in_part.get(record.part, 0) + record.length
+        index = load_index(store)
+        self.expert_total = sum(index.files[r.file].size for r in index.experts.values())
         self.bytes = 0
         self.files = 0
-        self.count_parts = True  # off for on_demand: its loader maps the part but never touches the experts in it
-        real_read, real_map = shard_experts._read, stream_loader.map_part
+        real_raw = Expert.raw
 
-        def counting_read(store, index, record):
-            data = real_read(store, index, record)
+        def counting_raw(expert):
+            data = real_raw(expert)
             self.bytes += len(data)
             self.files += 1
             return data
 
-        def counting_map(store, part, **options):
-            tensors = real_map(store, part, **options)
-            if not self.count_parts:
-                return tensors
-            names = set(tensors)
-            self.bytes += sum(r.length for n, r in store.manifest.tensors.items()
-                              if r.part == part and r.expert is not None and n in names)
-            return tensors
-
-        shard_experts._read, stream_loader.map_part = counting_read, counting_map
+        Expert.raw = counting_raw
 
 
 def greedy(model, ids: torch.Tensor, steps: int, counter: Counter | None) -> tuple[torch.Tensor, float, int]:
@@ -255,7 +242,7 @@ def bench_moe(work: Path, prompt_len: int, steps: int) -> tuple[str, str, list[s
     with torch.no_grad():
         want = reference.generate(ids, max_new_tokens=steps + 1, do_sample=False)[:, prompt_len:]
     layers = MIXTRAL["num_hidden_layers"]
-    expert_bytes = sum(counter.expert_in_part.values()) / (layers * MIXTRAL["num_local_experts"])
+    expert_bytes = counter.expert_total / (layers * MIXTRAL["num_local_experts"])
     rows, mismatches = [], []
 
     tokens, seconds, _ = greedy(reference, ids, steps, None)
@@ -265,7 +252,6 @@ def bench_moe(work: Path, prompt_len: int, steps: int) -> tuple[str, str, list[s
                 ("`experts=\"with_block\"`, `max_resident_memory=\"auto\"` (all resident)", "with_block", "auto"),
                 ("`experts=\"on_demand\"`, `max_resident_memory=\"auto\"`", "on_demand", "auto")]
     for label, experts, budget in settings:
-        counter.count_parts = experts == "with_block"
         with StreamingModel(store, experts=experts, max_resident_memory=budget) as model:
             tokens, seconds, nbytes = greedy(model, ids, steps, counter)
             same = torch.equal(tokens, want)
@@ -282,8 +268,8 @@ def bench_moe(work: Path, prompt_len: int, steps: int) -> tuple[str, str, list[s
                             "tokens == transformers greedy"], rows)
     sizes = (f"Mixtral h{MIXTRAL['hidden_size']} i{MIXTRAL['intermediate_size']} x{MIXTRAL['num_local_experts']} "
              f"experts top-{MIXTRAL['num_experts_per_tok']}, {layers} layers, vocab {MIXTRAL['vocab_size']}, fp32: "
-             f"store {sum(r.size for r in store.manifest.files.values()) / MB:,.0f} MB "
-             f"(one expert {expert_bytes / MB:.1f} MB, experts {sum(counter.expert_in_part.values()) / MB:,.0f} MB), "
+             f"store {(sum(r.size for r in store.manifest.files.values()) + counter.expert_total) / MB:,.0f} MB "
+             f"(one expert {expert_bytes / MB:.1f} MB, experts {counter.expert_total / MB:,.0f} MB, stored apart), "
              f"experts 0-3 on tier hot (in the store), 4-7 on tier cold ({cold_tier.name}/)")
     return table, sizes, mismatches
 
@@ -321,7 +307,7 @@ def main() -> None:
     print(f"### MoE decoding: experts on demand vs with the block vs resident\n\n{machine}; {sizes}. "
           f"Greedy decoding, batch 1, prompt {args.prompt} tokens, then {args.steps} decode steps timed (prefill "
           "excluded), page cache warm. Expert MB read / token = expert bytes read from the store during "
-          "decoding (expert files for on_demand, the expert tensors of each streamed block for with_block) / "
+          "decoding (expert files: on_demand reads the routed ones, with_block all of each streamed block's) / "
           "steps; experts read / layer / token = that in units of one expert per layer (top-2 routing: at most 2; "
           "with_block: all 8). Last column: the tokens equal transformers' own `generate(do_sample=False)`.\n")
     print(table + "\n")

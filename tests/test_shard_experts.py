@@ -19,6 +19,31 @@ from shardstream.store import verify_store
 from shardstream.store.remote import open_remote_store
 from test_shard_tp import tiny_store
 
+PLACE_SCRIPT = """
+import sys
+import shardstream
+import shardstream.shard.experts as experts
+import shardstream.store.manifest as manifest
+import shardstream.store.sharding as sharding
+root, cold, stop = sys.argv[1], sys.argv[2], int(sys.argv[3])
+writes = 0
+def pausing(real):
+    def durable_write(*args, **kwargs):
+        global writes
+        result = real(*args, **kwargs)
+        writes += 1
+        if writes == stop:
+            print("paused", flush=True)
+            sys.stdin.readline()   # hold here until the test kills us
+        return result
+    return durable_write
+experts.write_encoded = pausing(experts.write_encoded)
+sharding.write_json_atomic = pausing(sharding.write_json_atomic)
+manifest.write_json_atomic = pausing(manifest.write_json_atomic)
+experts.place_experts(shardstream.open_store(root), {"hot": ".", "cold": cold}, placement={(1, 2): "cold"})
+print("done", flush=True)
+"""
+
 RELOCATE_SCRIPT = """
 import sys
 import shardstream
@@ -33,6 +58,12 @@ relocate(shardstream.open_store(root), int(layer), int(expert), tier, on_step)
 
 
 @pytest.fixture
+def original(tmp_path_factory):
+    """The tiny Mixtral store as converted, experts inside their blocks' parts (never modified)."""
+    return shardstream.open_store(tiny_store("mixtral", tmp_path_factory))
+
+
+@pytest.fixture
 def placed(tmp_path, tmp_path_factory):
     """A private copy of the tiny Mixtral store with experts over three tiers, two outside the store."""
     root = tmp_path / "store"
@@ -43,19 +74,19 @@ def placed(tmp_path, tmp_path_factory):
     return store, tiers
 
 
-def expected(store, layer: int, expert: int) -> dict[str, torch.Tensor]:
+def expected(original, layer: int, expert: int) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
-    return {n: store.load_tensor(n) for n in store.manifest.tensors if n.startswith(prefix)}
+    return {n: original.load_tensor(n) for n in original.manifest.tensors if n.startswith(prefix)}
 
 
-def assert_loads_exactly(store, layer: int, expert: int) -> None:
+def assert_loads_exactly(store, original, layer: int, expert: int) -> None:
     got = load_expert(store, layer, expert).tensors
-    want = expected(store, layer, expert)
+    want = expected(original, layer, expert)
     assert set(got) == set(want) and len(want) == 3
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def test_placement_by_tier(placed, tmp_path):
+def test_placement_by_tier(placed, original, tmp_path):
     store, tiers = placed
     index = load_index(store)
     assert len(index.experts) == 3 * 4
@@ -67,23 +98,84 @@ def test_placement_by_tier(placed, tmp_path):
     assert (tmp_path / "nvme/experts/tier_hot/group_0/expert_3.safetensors").is_file()
     for layer in range(3):
         for expert in range(4):
-            assert_loads_exactly(store, layer, expert)
+            assert_loads_exactly(store, original, layer, expert)
     assert verify_experts_and_slices(store) == []
 
 
-def test_relocate_moves_the_file(placed, tmp_path):
+def assert_same_parts(store, original) -> None:
+    """Every part loads the same tensors as the converted store, experts included."""
+    for part in original.parts:
+        got, want = store.load(part, verify=True), original.load(part)
+        assert set(got) == set(want) == set(store.tensor_names(part)), part
+        assert all(torch.equal(got[n], want[n]) for n in want), part
+
+
+def disk_bytes(*roots) -> int:
+    return sum(p.stat().st_size for root in roots for p in root.rglob("*") if p.is_file())
+
+
+def test_placing_stores_each_expert_once(placed, original, tmp_path):
+    store, _ = placed
+    assert not [n for n, r in store.manifest.tensors.items() if r.expert is not None]
+    for layer in range(3):
+        assert store.manifest.parts[f"mid/{layer}"].files == [f"mid/{layer}/weights-without-experts.safetensors"]
+        assert [p.name for p in (store.root / f"mid/{layer}").iterdir()] == ["weights-without-experts.safetensors"]
+    assert_same_parts(store, original)
+    assert store.part_nbytes("mid/1") > original.part_nbytes("mid/1") * 0.9
+    expert_bytes = sum(r.length for r in original.manifest.tensors.values() if r.expert is not None)
+    assert expert_bytes > disk_bytes(original.root) / 2
+    placed_bytes = disk_bytes(store.root, tmp_path / "nvme", tmp_path / "hdd")
+    assert placed_bytes < disk_bytes(original.root) * 1.1   # not the experts twice
+    assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+
+
+@pytest.mark.parametrize("compression", ["4bit", "8bit"])
+def test_quantized_experts_move_without_requantizing(tmp_path, tmp_path_factory, compression):
+    original = shardstream.open_store(tiny_store("mixtral", tmp_path_factory, compression))
+    shutil.copytree(original.root, tmp_path / "store")
+    store = shardstream.open_store(tmp_path / "store")
+    place_experts(store, {"hot": ".", "cold": str(tmp_path / "hdd")}, placement={(0, 1): "cold"})
+    assert all(r.tensors[n].get("quant") for r in load_index(store).experts.values() for n in r.tensors
+               if n.endswith("w1.weight"))
+    assert_same_parts(store, original)
+
+
+# durable writes of placing 3 layers x 4 experts: per layer 4 expert files, the index (the first
+# time also the manifest's pointer to it), the part without experts, the manifest
+@pytest.mark.parametrize("stop", [1, 5, 6, 7, 8, 13, 22])
+def test_sigkill_while_placing_leaves_a_store_that_loads(tmp_path, tmp_path_factory, original, stop):
+    shutil.copytree(original.root, tmp_path / "store")
+    proc = subprocess.Popen([sys.executable, "-c", PLACE_SCRIPT, str(tmp_path / "store"), str(tmp_path / "hdd"), str(stop)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "paused"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+    store = shardstream.open_store(tmp_path / "store")
+    assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+    assert_same_parts(store, original)
+
+    place_experts(store, {"hot": ".", "cold": str(tmp_path / "hdd")}, placement={(1, 2): "cold"})   # the re-run finishes
+    assert load_index(store).experts["1:2"].tier == "cold" and len(load_index(store).experts) == 12
+    assert not [n for n, r in store.manifest.tensors.items() if r.expert is not None]
+    assert not list(store.root.rglob(".tmp-*")) and not list((tmp_path / "hdd").rglob(".tmp-*"))
+    assert sorted(p.name for p in (store.root / "mid/1").iterdir()) == ["weights-without-experts.safetensors"]
+    assert_same_parts(shardstream.open_store(store.root), original)
+
+
+def test_relocate_moves_the_file(placed, original, tmp_path):
     store, _ = placed
     record = relocate(store, 0, 3, "cold")
     assert (record.tier, record.hint) == ("cold", 2)
     assert not (tmp_path / "nvme/experts/tier_hot/group_0/expert_3.safetensors").exists()
     assert (tmp_path / "hdd/experts/tier_cold/group_0/expert_3.safetensors").is_file()
-    assert_loads_exactly(store, 0, 3)
+    assert_loads_exactly(store, original, 0, 3)
     with pytest.raises(InvalidOption, match="has no tier 'tape'"):
         relocate(store, 0, 3, "tape")
 
 
 @pytest.mark.parametrize("stop", RELOCATION_STEPS)
-def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, tmp_path, stop):
+def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, original, tmp_path, stop):
     store, _ = placed
     before = load_index(store).experts["1:2"].tier
     proc = subprocess.Popen([sys.executable, "-c", RELOCATE_SCRIPT, str(store.root), "1", "2", "hot", stop],
@@ -101,13 +193,13 @@ def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, tmp_p
     tier = load_index(store).experts["1:2"].tier
     assert tier == (before if stop in ("copy", "verify") else "hot")
     assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
-    assert_loads_exactly(store, 1, 2)
+    assert_loads_exactly(store, original, 1, 2)
 
     relocate(store, 1, 2, "hot")   # the re-run completes the move
     assert load_index(store).experts["1:2"].tier == "hot"
     assert not (tmp_path / "hdd/experts/tier_cold/group_1/expert_2.safetensors").exists()
     assert not list((tmp_path / "nvme").rglob(".tmp-*"))
-    assert_loads_exactly(store, 1, 2)
+    assert_loads_exactly(store, original, 1, 2)
 
 
 def test_corrupt_expert_is_named_on_first_read_and_never_used(placed, tmp_path):
@@ -126,7 +218,7 @@ def test_corrupt_expert_is_named_on_first_read_and_never_used(placed, tmp_path):
     assert [p.reason for p in verify_experts_and_slices(store)] == ["checksum mismatch"]
 
 
-def test_experts_over_http(placed):
+def test_experts_over_http(placed, original):
     store, _ = placed
     relocate(store, 2, 1, "warm")
     with serve_directory(store.root) as (url, log):
@@ -134,7 +226,7 @@ def test_experts_over_http(placed):
         got = load_expert(remote, 2, 1).tensors
         with pytest.raises(InvalidOption, match="outside the store; relocate it"):
             load_expert(remote, 0, 0).tensors
-    assert all(torch.equal(got[n], t) for n, t in expected(store, 2, 1).items())
+    assert all(torch.equal(got[n], t) for n, t in expected(original, 2, 1).items())
     assert "/tiers/warm/experts/tier_warm/group_2/expert_1.safetensors" in [r.path for r in log]
 
 

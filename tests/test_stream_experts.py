@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import shardstream.shard.experts as shard_experts
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.shard import load_index, place_experts
 from shardstream.store import open_store
+from shardstream.store.sharding import Expert
 from shardstream.stream import StreamingModel
 from tiny_models import save_checkpoint
 
@@ -36,15 +36,15 @@ def placed(tmp_path_factory):
 
 @pytest.fixture
 def file_reads(monkeypatch) -> list[str]:
-    """Every expert file read, by wrapping the shard module's reader (the real read still happens)."""
+    """Every expert file read, by wrapping the store's expert reader (the real read still happens)."""
     reads: list[str] = []
-    real = shard_experts._read
+    real = Expert.raw
 
-    def counting(store, index, record):
-        reads.append(record.file)
-        return real(store, index, record)
+    def counting(self):
+        reads.append(self.record.file)
+        return real(self)
 
-    monkeypatch.setattr(shard_experts, "_read", counting)
+    monkeypatch.setattr(Expert, "raw", counting)
     return reads
 
 
@@ -67,11 +67,14 @@ def test_placement_spans_both_tiers(placed):
     assert tiers == {"hot", "cold"} and load_index(store).experts["2:2"].tier == "cold"
 
 
-@pytest.mark.parametrize("budget", [0, "auto"], ids=["streamed", "resident"])
-def test_logits_and_generate_match_transformers(placed, budget):
+@pytest.mark.parametrize("budget, experts", [(0, "on_demand"), ("auto", "on_demand"), (0, "with_block")],
+                         ids=["streamed", "resident", "with-block"])
+def test_logits_and_generate_match_transformers(placed, budget, experts):
+    """Experts are stored apart (on their tiers only): on demand, or read back with their block."""
     reference, store = placed
+    assert not any(r.expert is not None for r in store.manifest.tensors.values())
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
-    with StreamingModel(store, experts="on_demand", max_resident_memory=budget) as model:
+    with StreamingModel(store, experts=experts, max_resident_memory=budget) as model:
         got = model(ids).logits
         with torch.no_grad():
             want = reference(ids).logits

@@ -76,6 +76,20 @@ def convert(
     console.print(report.summary(), soft_wrap=True, highlight=False)
 
 
+def _print_sharding(opened) -> None:
+    """Where `shardstream shard` put experts (by tier) and which TP slice sets exist."""
+    from .store.sharding import load_index
+
+    index = load_index(opened)
+    by_tier: dict[str, list[int]] = {}
+    for record in index.experts.values():
+        by_tier.setdefault(record.tier, []).append(index.files[record.file].size)
+    for tier, sizes in by_tier.items():
+        console.print(f"experts on tier {tier} ({index.tiers[tier]['root']}): {len(sizes)} files, {sum(sizes):,} bytes")
+    for count in sorted({s.count for s in index.slices}):
+        console.print(f"tensor-parallel slices: {count} ranks")
+
+
 @app.command()
 def inspect(store: Annotated[Path, typer.Argument(help="Store folder.")]) -> None:
     """List a store's parts: tensors, dtypes, bytes, quantization."""
@@ -98,6 +112,8 @@ def inspect(store: Annotated[Path, typer.Argument(help="Store folder.")]) -> Non
         count = f"{len(tensors)}" + (f" (+{len(tied)} tied)" if tied else "")
         table.add_row(part, count, ",".join(dtypes), f"{record.nbytes:,}", ",".join(quants) or "-", str(len(record.files)))
     console.print(table)
+    if manifest.sharding:
+        _print_sharding(opened)
     missing = [p for p in manifest.expected_parts if p not in manifest.parts]
     if missing:
         console.print(f"[red]{len(missing)} parts not written yet[/red] (first: {missing[0]}); re-run the convert command.")

@@ -52,10 +52,8 @@ def device_from_profile(name: str, available_bytes: int, gflops: float, mem_frac
 
 def _params(store: Store, part: str) -> int:
     """Parameters a load of `part` yields, tied aliases included (their target's count)."""
-    manifest = store.manifest
-    names = store.tensor_names(part) if part in manifest.parts else []
-    records = [manifest.tensors[manifest.aliases.get(n, {}).get("target", n)] for n in names]
-    return sum(math.prod((r.quant or {}).get("shape") or r.shape) for r in records)
+    shapes = store.tensor_shapes(part).values() if part in store.manifest.parts else []
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def _num_kv_heads(config: PretrainedConfig) -> int:

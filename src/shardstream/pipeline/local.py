@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 12
                    "--host", "127.0.0.1", "--port", str(port), "--data-port", str(free_port()),
                    "--cache-dir", str(folder / name)]
         with open(log, "wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         agents.append(LocalAgent(name, f"http://127.0.0.1:{port}", process, log))
     deadline = time.monotonic() + timeout
     for agent in agents:
@@ -57,6 +58,13 @@ def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 12
                 raise SourceUnreachable(f"agent {agent.name} at {agent.url} did not start; see {agent.log}.")
             time.sleep(0.1)
     return agents
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it is gone, so no local agent outlives a
+    crashed demo or test run (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
 
 
 def _healthy(agent: LocalAgent, token: str) -> bool:

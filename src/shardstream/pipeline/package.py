@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import write_bytes_atomic
-from ..shard.experts import tier_root
-from ..shard.index import INDEX_NAME, ShardIndex, load_index
+from ..store.sharding import INDEX_NAME, ShardIndex, load_index, tier_root
 from ..store import MANIFEST_NAME, Store
 from ..store.checksum import checksum_bytes, checksum_file
 from .planner import Plan

@@ -13,17 +13,15 @@ runtime's `OnDemandExperts` reads only the experts the router picks (from the st
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
-from dataclasses import replace
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from ..errors import InvalidOption, UnsupportedModel
-from ..shard import load_index
+from ..store.sharding import load_index
 from ..store import Store
 from ..stream.experts import OnDemandExperts
 from ..stream.model import common_module, config_dtype, build_meta_model
@@ -58,7 +56,7 @@ class StageModel:
         self.experts = _on_demand_experts(store, first, last, renamed, mapper)
         skip = self.experts.checkpoint_names if self.experts else set()
         for index, (old, new) in enumerate(zip(global_prefixes, prefixes)):
-            tensors = store.load(f"mid/{first + index}", verify=True)
+            tensors = store.load(f"mid/{first + index}", verify=True, experts=self.experts is None)
             params = mapper.convert({name: tensor for name, tensor in tensors.items() if name not in skip})
             Slots(self.model.get_submodule(new), new).fill(
                 {new + name[len(old):]: tensor for name, tensor in params.items()})
@@ -162,14 +160,10 @@ class _GlobalNames:
 
 def _on_demand_experts(store: Store, first: int, last: int, model: _GlobalNames,
                        mapper: WeightMapper) -> OnDemandExperts | None:
-    """On-demand experts for blocks [first, last) when theirs are placed on tiers, else None.
-    `OnDemandExperts` wants every expert of its store placed, so it sees only this stage's tensors."""
+    """On-demand experts for blocks [first, last) when theirs are placed on tiers, else None."""
     if not any(first <= record.group < last for record in load_index(store).experts.values()):
         return None
-    parts = {f"mid/{i}" for i in range(first, last)}
-    own = copy.copy(store)
-    own.manifest = replace(store.manifest, tensors={n: r for n, r in store.manifest.tensors.items() if r.part in parts})
-    return OnDemandExperts(own, model, mapper, torch.device("cpu"))
+    return OnDemandExperts(store, model, mapper, torch.device("cpu"), layers=range(first, last))
 
 
 def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:

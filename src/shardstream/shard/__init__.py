@@ -1,8 +1,7 @@
 """Tensor-parallel slices and expert placement by tier, recorded in `<store>/sharding.json`."""
 
-from .experts import (RELOCATION_STEPS, Expert, load_expert, parse_expert_key, parse_tiers, place_experts,
-                      relocate, verify_experts_and_slices)
-from .index import INDEX_NAME, load_index
+from ..store.sharding import INDEX_NAME, Expert, load_expert, load_index
+from .experts import RELOCATION_STEPS, parse_expert_key, parse_tiers, place_experts, relocate, verify_experts_and_slices
 from .tp import export_tp, load_tp, split_dim
 
 __all__ = [

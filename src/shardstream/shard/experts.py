@@ -3,8 +3,13 @@
 An expert lives at `<tier root>/experts/tier_<t>/group_<g>/expert_<e>.safetensors`, the group being
 its layer. Tier roots may be other disks (absolute) or folders inside the store (relative; only
 those are reachable over HTTP). `--tiers` lists them fastest first; an expert's `hint` is its
-tier's position there (0 = fastest), so a runtime can keep low-hint experts resident. The experts stay in their `mid/<l>` part too: the tiers are extra placement, not a move
-of the converter's files. Stored unquantized (dequantized from a quantized store).
+tier's position there (0 = fastest), so a runtime can keep low-hint experts resident. Expert files
+keep the store's encoding (quantized stays quantized).
+
+Placing stores the experts apart: each one is written to its tier and recorded in the index, then
+each MoE block's `mid/<l>` part is rewritten without them (a new file, recorded in the manifest,
+then the old file removed), so every expert is stored once, on its tier. A kill at any point leaves
+a store that loads; re-running `shard --experts` finishes the job.
 
 Relocation runs copy -> verify -> index -> remove. The index names the live copy and is replaced
 atomically, so a kill between (or inside) steps leaves either the old placement with a stray new
@@ -15,22 +20,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from functools import cached_property
-from pathlib import Path, PurePosixPath
+from dataclasses import asdict
+from pathlib import Path
 
-import torch
-
-from ..errors import InvalidOption, PartNotFound
+from ..errors import InvalidOption
 from ..naming import Part
 from ..atomic import discard_temp_files, write_bytes_atomic
 from ..store.checksum import checksum_file
-from ..store.manifest import FileRecord, check_relative
-from ..store.partfile import encode_part, tensor_from_bytes
+from ..store.manifest import FileRecord, PartRecord, TensorRecord, check_relative
+from ..store.partfile import encode_stored
 from ..store.reader import Store
-from ..store.writer import write_encoded
-from ..store.remote import RemoteStore
+from ..store.sharding import (INDEX_NAME, Expert, ExpertRecord, ShardIndex, checked, expert_record, load_index,
+                              read_path, tier_root)
 from ..store.verify import Problem
-from .index import INDEX_NAME, ExpertRecord, ShardIndex, checked, load_index, read_path, read_store_file
+from ..store.writer import write_encoded
 
 RELOCATION_STEPS = ("copy", "verify", "index", "remove")
 
@@ -54,18 +57,17 @@ def parse_expert_key(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+WITHOUT_EXPERTS = "weights-without-experts.safetensors"
+
+
 def expert_file(tier: str, group: int, expert: int) -> str:
     return f"experts/tier_{tier}/group_{group}/expert_{expert}.safetensors"
 
 
-def tier_root(store: Store, index: ShardIndex, tier: str) -> Path:
-    root = Path(index.tiers[tier]["root"])
-    return root if root.is_absolute() else Path(store.root) / root
-
-
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
-    """Write every expert to its tier (`placement[(layer, expert)]`, else where it already is, else
-    the first tier) and record it; re-running rewrites the same files."""
+    """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
+    is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
+    an interrupted run and rewrites the same files."""
     index = load_index(store, for_update=True)
     for name, root in tiers.items():
         if not Path(root).is_absolute():
@@ -80,21 +82,86 @@ def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int
     for name, record in store.manifest.tensors.items():
         if record.expert is not None:
             groups.setdefault((Part.parse(record.part).index, record.expert), []).append(name)
-    loaded: dict[str, dict[str, torch.Tensor]] = {}
-    for (group, expert), names in sorted(groups.items()):
-        part = f"mid/{group}"
-        if part not in loaded:
-            loaded = {part: store.load(part, verify=True)}
-        key = f"{group}:{expert}"
-        tier = (placement or {}).get((group, expert)) or getattr(index.experts.get(key), "tier", None) or next(iter(tiers))
-        encoded = encode_part({n: loaded[part][n] for n in names}, None)
-        file = expert_file(tier, group, expert)
-        digest = write_encoded(tier_root(store, index, tier) / file, encoded)
-        index.files[file] = FileRecord(size=encoded.size, xxh3_128=digest)
-        index.experts[key] = ExpertRecord(tier=tier, group=group, expert=expert, file=file,
-                                          hint=index.tiers[tier]["hint"], tensors=encoded.records)
-    index.save(store.root)
+    for key, record in index.experts.items():   # already stored apart by an earlier run
+        groups.setdefault((record.group, record.expert), list(record.tensors))
+    first_tier = next(iter(tiers))
+    buffers = _FileBuffers(store)
+    for layer in sorted({group for group, _ in groups}):   # a layer at a time: its part is read once
+        stale = [_place(store, index, layer, expert, names, (placement or {}).get((layer, expert)), first_tier, buffers)
+                 for (group, expert), names in sorted(groups.items()) if group == layer]
+        index.save(store)   # the tier files are the experts' record before the part loses them
+        for path in filter(None, stale):
+            path.unlink(missing_ok=True)
+        _drop_experts_from_part(store, layer, buffers)
+    index.save(store)
     return index.experts
+
+
+def _place(store: Store, index: ShardIndex, layer: int, expert: int, names: list[str], wanted: str | None,
+           default: str, buffers: "_FileBuffers") -> Path | None:
+    """Write one expert's file on its tier (`wanted`, else where it is, else `default`) and record
+    it in `index`; return the file it replaces, if any."""
+    key = f"{layer}:{expert}"
+    old = index.experts.get(key)
+    if old is not None:   # its tier file is the copy to keep (the part's may already be gone)
+        data = checked(Expert(store, index, old).raw(), index.files[old.file], str(tier_root(store, index, old.tier) / old.file))
+        stored = {n: (data, r) for n, r in old.tensors.items()}
+    else:
+        manifest = store.manifest
+        stored = {n: (buffers.get(manifest.tensors[n].file), asdict(manifest.tensors[n])) for n in names}
+    tier = wanted or getattr(old, "tier", None) or default
+    encoded = encode_stored(stored)
+    file = expert_file(tier, layer, expert)
+    digest = write_encoded(tier_root(store, index, tier) / file, encoded)
+    index.files[file] = FileRecord(size=encoded.size, xxh3_128=digest)
+    index.experts[key] = ExpertRecord(tier=tier, group=layer, expert=expert, file=file,
+                                      hint=index.tiers[tier]["hint"], tensors=encoded.records)
+    if old is None or old.file == file:
+        return None
+    index.files.pop(old.file, None)
+    return tier_root(store, index, old.tier) / old.file
+
+
+class _FileBuffers:
+    """Store files read (checksum-verified) once each, keeping only the latest part's."""
+
+    def __init__(self, store: Store):
+        self._store = store
+        self._part = ""
+        self._files: dict[str, bytearray] = {}
+
+    def get(self, name: str) -> bytearray:
+        part = name.rpartition("/")[0]
+        if part != self._part:
+            self._part, self._files = part, {}
+        if name not in self._files:
+            self._files[name] = self._store.read_file(name, verify=True)
+        return self._files[name]
+
+
+def _drop_experts_from_part(store: Store, layer: int, buffers: _FileBuffers) -> None:
+    """Rewrite block `layer`'s part without its experts (now on their tiers): a new file, then the
+    manifest, then the old files go (also those a killed run left behind)."""
+    manifest = store.manifest
+    part = f"mid/{layer}"
+    record = manifest.parts[part]
+    dense = [n for n in record.tensors if manifest.tensors[n].expert is None]
+    if len(dense) < len(record.tensors):
+        new_file = f"{part}/{WITHOUT_EXPERTS}"
+        encoded = encode_stored({n: (buffers.get(manifest.tensors[n].file), asdict(manifest.tensors[n])) for n in dense})
+        digest = write_encoded(store.root / new_file, encoded)
+        for name in record.tensors:
+            del manifest.tensors[name]
+        for name in record.files:
+            manifest.files.pop(name, None)
+        manifest.files[new_file] = FileRecord(size=encoded.size, xxh3_128=digest)
+        manifest.tensors.update({n: TensorRecord(part=part, file=new_file, **r) for n, r in encoded.records.items()})
+        manifest.parts[part] = PartRecord(files=[new_file], tensors=sorted(dense), nbytes=encoded.size)
+        manifest.save(store.root)
+    for leftover in (store.root / part).glob("*.safetensors"):
+        if f"{part}/{leftover.name}" not in manifest.files:
+            leftover.unlink()
+    discard_temp_files(store.root / part)
 
 
 def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable[[str], None] = lambda step: None) -> ExpertRecord:
@@ -102,12 +169,12 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
 
     `on_step(name)` is called after each of RELOCATION_STEPS (progress, and the crash tests)."""
     index = load_index(store, for_update=True)
-    record = _record(store, index, layer, expert)
+    record = expert_record(store, index, layer, expert)
     if tier not in index.tiers:
         raise InvalidOption(f"{store.root}/{INDEX_NAME} has no tier {tier!r} (it has {', '.join(index.tiers)}); pick one of those.")
     if record.tier != tier:
         file_record = index.files[record.file]
-        data = checked(_read(store, index, record), file_record, str(tier_root(store, index, record.tier) / record.file))
+        data = checked(Expert(store, index, record).raw(), file_record, str(tier_root(store, index, record.tier) / record.file))
         new_file = expert_file(tier, layer, expert)
         dest = tier_root(store, index, tier) / new_file
         write_bytes_atomic(dest, data)
@@ -117,7 +184,7 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
         on_step("verify")
         index.files[new_file] = index.files.pop(record.file)
         record.tier, record.file, record.hint = tier, new_file, index.tiers[tier]["hint"]
-        index.save(store.root)
+        index.save(store)
         on_step("index")
     for other in index.tiers:
         if other != tier:
@@ -128,27 +195,6 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
     discard_temp_files((tier_root(store, index, tier) / record.file).parent)
     on_step("remove")
     return record
-
-
-class Expert:
-    """One placed expert; its file is read and checksum-verified on first use of `tensors`."""
-
-    def __init__(self, store: Store, index: ShardIndex, record: ExpertRecord):
-        self.store, self.index, self.record = store, index, record
-
-    @cached_property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        data = _read(self.store, self.index, self.record)
-        checked(data, self.index.files[self.record.file], self._where())
-        return {n: tensor_from_bytes(data, r["offset"], r["dtype"], r["shape"]) for n, r in self.record.tensors.items()}
-
-    def _where(self) -> str:
-        return str(PurePosixPath(self.index.tiers[self.record.tier]["root"]) / self.record.file)
-
-
-def load_expert(store: Store, layer: int, expert: int) -> Expert:
-    index = load_index(store)
-    return Expert(store, index, _record(store, index, layer, expert))
 
 
 def verify_experts_and_slices(store: Store) -> list[Problem]:
@@ -163,24 +209,3 @@ def verify_experts_and_slices(store: Store) -> list[Problem]:
         elif checksum_file(path) != index.files[name].xxh3_128:
             problems.append(Problem(str(path), "checksum mismatch"))
     return problems
-
-
-def _record(store: Store, index: ShardIndex, layer: int, expert: int) -> ExpertRecord:
-    try:
-        return index.experts[f"{layer}:{expert}"]
-    except KeyError:
-        raise PartNotFound(
-            f"{store.root}/{INDEX_NAME} places no expert {layer}:{expert}; run `shardstream shard {store.root} --experts` first."
-        ) from None
-
-
-def _read(store: Store, index: ShardIndex, record: ExpertRecord) -> bytearray:
-    root = index.tiers[record.tier]["root"]
-    if not Path(root).is_absolute():
-        return read_store_file(store, str(PurePosixPath(root) / record.file))
-    if isinstance(store, RemoteStore):
-        raise InvalidOption(
-            f"expert {record.group}:{record.expert} is on tier {record.tier!r} at {root}, outside the store; "
-            "relocate it to a tier inside the store to serve it over HTTP."
-        )
-    return read_path(Path(root) / record.file)

@@ -19,7 +19,7 @@ from ..store.manifest import FileRecord
 from ..store.partfile import encode_part, tensor_from_bytes
 from ..store.reader import Store
 from ..store.writer import write_encoded
-from .index import SliceRecord, checked, load_index, read_store_file
+from ..store.sharding import SliceRecord, checked, load_index
 
 COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj",
           "query_key_value", "dense_h_to_4h", "c_attn", "c_fc"}
@@ -65,10 +65,10 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
         raise InvalidOption(f"--tp must be at least 1, got {size}; pass the number of ranks.")
     index = load_index(store, for_update=True)
     index.slices = [s for s in index.slices if s.count != size]
-    experts = {n for n, r in store.manifest.tensors.items() if r.expert is not None}
+    experts = store.expert_tensor_names()
     family = store.manifest.family
     for part in store.parts:
-        tensors = {n: t for n, t in store.load(part, verify=True).items() if n not in experts}
+        tensors = {n: t for n, t in store.load(part, verify=True, experts=False).items() if n not in experts}
         for rank in range(size):
             local = {n: slice_tensor(t, split_dim(n, t.ndim, family), rank, size, n) for n, t in tensors.items()}
             encoded = encode_part(local, None)
@@ -80,7 +80,7 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
                             file=name, **r)
                 for n, r in sorted(encoded.records.items())
             ]
-    index.save(store.root)
+    index.save(store)
     return index.slices
 
 
@@ -94,5 +94,5 @@ def load_tp(store: Store, part: str, tp_rank: int, tp_size: int, device: str | t
             f"`shardstream shard {store.root} --tp {tp_size}` first."
         )
     name = records[0].file
-    data = checked(read_store_file(store, name), index.files[name], f"{store.root}/{name}")
+    data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
     return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}

@@ -57,6 +57,26 @@ def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> En
             quant_meta[name] = dict(packed.meta)
         else:
             payload[name] = tensor
+    return _lay_out(payload, quant_meta, list(tensors), quantize_seconds)
+
+
+def encode_stored(stored: dict[str, tuple[bytearray | memoryview, dict]]) -> EncodedPart:
+    """Lay out tensors exactly as another file stores them: name -> (that file's bytes, its record
+    fields). Quantized codes and scales are copied, never re-quantized, so no value changes."""
+    payload: dict[str, torch.Tensor] = {}
+    quant_meta: dict[str, dict] = {}
+    for name, (buffer, record) in stored.items():
+        payload[name] = tensor_from_bytes(buffer, record["offset"], record["dtype"], record["shape"])
+        if record.get("quant"):
+            scales = record["quant"]["absmax"]
+            payload[name + ABSMAX_SUFFIX] = tensor_from_bytes(buffer, scales["offset"], scales["dtype"], scales["shape"])
+            quant_meta[name] = {k: v for k, v in record["quant"].items() if k != "absmax"}
+    return _lay_out(payload, quant_meta, list(stored), 0.0)
+
+
+def _lay_out(payload: dict[str, torch.Tensor], quant_meta: dict[str, dict], names: list[str],
+             quantize_seconds: float) -> EncodedPart:
+    """The safetensors header and chunks for `payload` (codes plus `::absmax` scales for quantized names)."""
     # widest dtypes first (as safetensors does), so every tensor starts aligned to its element size
     order = sorted(payload, key=lambda k: (-payload[k].element_size(), k))
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
@@ -76,7 +96,7 @@ def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> En
                 "offset": len(prefix) + first, "length": last - first}
 
     records = {}
-    for name in tensors:
+    for name in names:
         record = where(name)
         if name in quant_meta:
             record["quant"] = {**quant_meta[name], "absmax": where(name + ABSMAX_SUFFIX)}

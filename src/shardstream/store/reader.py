@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -13,10 +14,14 @@ from ..errors import PartNotFound, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
 from .manifest import Manifest, TensorRecord, load_manifest
 from .partfile import decode_tensor
+from .sharding import Expert, load_index, placed_in, read_path
 
 
 class Store:
-    """A layer store on disk. `load(part)` reads exactly that part's file (plus tied tensors)."""
+    """A layer store on disk. `load(part)` reads exactly that part's file (plus tied tensors, and
+    a block's experts where `shardstream shard --experts` stored them apart)."""
+
+    remote = False
 
     def __init__(self, root: Path, manifest: Manifest):
         self.root = Path(root)
@@ -35,13 +40,41 @@ class Store:
         return sum(1 for p in self.manifest.expected_parts if p.startswith("mid/"))
 
     def part_nbytes(self, part: str) -> int:
-        return self._part(part).nbytes
+        """Stored bytes of the part, its experts stored apart included."""
+        return self._part(part).nbytes + sum(load_index(self).files[r.file].size for r in self._placed(part))
 
     def tensor_names(self, part: str) -> list[str]:
-        """Names a load of this part returns, tied aliases included."""
+        """Names a load of this part returns, tied aliases and experts stored apart included."""
         own = self._part(part).tensors
         tied = [n for n, a in self.manifest.aliases.items() if a["part"] == part]
-        return sorted(own + tied)
+        placed = [n for r in self._placed(part) for n in r.tensors]
+        return sorted(set(own + tied + placed))
+
+    def tensor_shapes(self, part: str) -> dict[str, list[int]]:
+        """The shape of each tensor a load of `part` returns (as loaded, i.e. dequantized), reading none."""
+        records = {n: asdict(self.manifest.tensors[self.manifest.aliases.get(n, {}).get("target", n)])
+                   for n in self._part(part).tensors + [n for n, a in self.manifest.aliases.items() if a["part"] == part]}
+        records.update({n: r for expert in self._placed(part) for n, r in expert.tensors.items()})
+        return {n: (r.get("quant") or {}).get("shape") or r["shape"] for n, r in records.items()}
+
+    def expert_tensor_names(self) -> set[str]:
+        """Every MoE expert tensor, wherever it is stored."""
+        names = {n for n, r in self.manifest.tensors.items() if r.expert is not None}
+        if self.manifest.sharding:
+            names.update(n for r in load_index(self).experts.values() for n in r.tensors)
+        return names
+
+    def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
+        """Bytes of any file under the store root, unchecked (callers check against their index)."""
+        return read_path(self.root / name, offset, length)
+
+    def file_version(self, name: str) -> tuple[int, int, int] | None:
+        """Identity of one version of a file (every atomic replace is a new inode), to cache what was parsed from it."""
+        try:
+            stat = (self.root / name).stat()
+        except FileNotFoundError:
+            return (-1, -1, -1)
+        return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
     def read_file(self, name: str, verify: bool = False) -> bytearray:
         """The whole of one store file, checked against its size (and checksum when asked)."""
@@ -102,11 +135,12 @@ class Store:
         return decode_tensor(data, base, record).to(device)
 
     def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False,
-             read: Callable[[str], bytearray | mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
-        """All tensors of one part, dequantized, on `device`; tied tensors included.
+             read: Callable[[str], bytearray | mmap.mmap] | None = None, experts: bool = True) -> dict[str, torch.Tensor]:
+        """All tensors of one part, dequantized, on `device`; tied tensors included, and the block's
+        experts stored apart unless `experts=False` (a runtime that loads them on demand).
 
         `read(file_name)` supplies each file's bytes (default: `read_file`, a checked copy); the
-        streaming runtime passes one that maps the file instead.
+        streaming runtime passes one that maps the file instead. Expert files are always checked.
         """
         record = self._part(part)
         read = read or (lambda name: self.read_file(name, verify=verify))
@@ -120,9 +154,17 @@ class Store:
         for alias, info in self.manifest.aliases.items():
             if info["part"] == part:
                 tensors[alias] = self.load_tensor(info["target"])
+        if experts and self._placed(part):
+            index = load_index(self)
+            for record in self._placed(part):
+                tensors.update(Expert(self, index, record).tensors)
         if torch.device(device).type != "cpu":
             tensors = {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
         return tensors
+
+    def _placed(self, part: str):
+        kind, _, layer = part.partition("/")
+        return placed_in(self, int(layer)) if kind == "mid" and layer.isdigit() else []
 
     def _part(self, part: str):
         try:

@@ -20,6 +20,8 @@ from .reader import Store
 class RemoteStore(Store):
     """A store at an http(s) base URL (ending in "/"); every read goes through `read_bytes`."""
 
+    remote = True
+
     def __init__(self, url: str, manifest: Manifest, client: httpx.Client):
         super().__init__(url, manifest)
         self.root = url   # messages name the URL, not a local path
@@ -28,6 +30,13 @@ class RemoteStore(Store):
     def read_bytes(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of one file (all of it when length is None)."""
         return _get(self.client, self.root + name, offset, length)
+
+    def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
+        return bytearray(self.read_bytes(name, offset, length))
+
+    def file_version(self, name: str) -> None:
+        """None: a remote store's files are read once per open (nothing to compare against)."""
+        return None
 
     def read_file(self, name: str, verify: bool = True) -> bytearray:
         """One whole store file, always checksum-verified (the `verify` flag is kept for the interface)."""

@@ -1,7 +1,8 @@
 """MoE experts loaded on demand: only the experts the router picks are read, from their tiers.
 
 A Mixtral-style block is mostly experts, and a token uses `top_k` of them. With
-`experts="on_demand"` the block's part is read without its expert tensors; a forward pre-hook on
+`experts="on_demand"` the block's part is read without its experts (stored apart by
+`shardstream shard --experts`); a forward pre-hook on
 the fused experts module sees the router's `top_k_index`, reads each newly picked expert with
 `load_expert` (from whatever tier `place_experts`/`relocate` put it on, checksum-verified) and
 writes it into its row of the fused parameters. Rows of experts nobody picked stay zero and are
@@ -17,8 +18,8 @@ from torch import nn
 
 from ..errors import InvalidOption, UnsupportedModel
 from ..naming import Part
-from ..shard import load_expert, load_index
 from ..store import Store
+from ..store.sharding import load_expert, load_index
 from .loader import BlockLoader
 from .weights import Slots, WeightMapper
 
@@ -26,10 +27,13 @@ EXPERT_MODES = ("with_block", "on_demand")
 
 
 class ExpertlessLoader(BlockLoader):
-    """A BlockLoader whose parts come without the expert tensors (those are loaded on demand)."""
+    """A BlockLoader whose parts come without the expert tensors (those are loaded on demand).
+
+    Experts still inside a part (a `shard --experts` run that was killed before it rewrote the
+    part) are dropped after the read."""
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool, skip: set[str]):
-        super().__init__(store, mapper, device, verify)
+        super().__init__(store, mapper, device, verify, experts=False)
         self._skip = skip
 
     def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
@@ -53,23 +57,28 @@ class OnDemandExperts:
     `loads` counts expert files read, so callers can see how much routing saved.
     """
 
-    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device):
+    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
+                 layers: range | None = None):
+        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all."""
         self.store = store
         self._mapper = mapper
         self._device = device
         self.loads = 0
         placed = load_index(store).experts
         by_layer: dict[int, set[str]] = {}
-        for name, record in store.manifest.tensors.items():
+        for record in placed.values():
+            by_layer.setdefault(record.group, set()).update(record.tensors)
+        for record in store.manifest.tensors.values():
             if record.expert is None:
                 continue
             layer = Part.parse(record.part).index
-            if f"{layer}:{record.expert}" not in placed:
+            if (layers is None or layer in layers) and f"{layer}:{record.expert}" not in placed:
                 raise InvalidOption(
                     f"experts='on_demand' needs every expert placed on a tier, but {store.root} has no placed "
                     f"expert {layer}:{record.expert}; run `shardstream shard {store.root} --experts` first."
                 )
-            by_layer.setdefault(layer, set()).add(name)
+        if layers is not None:
+            by_layer = {layer: names for layer, names in by_layer.items() if layer in layers}
         if not by_layer:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())

@@ -48,8 +48,10 @@ class BlockLoader:
     overlaps the previous block's compute.
     """
 
-    def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool):
+    def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
+                 experts: bool = True):
         self.store = store
+        self._experts = experts   # False: experts stored apart are left out (loaded on demand)
         self.mapper = mapper
         self.device = device
         self._verify = verify
@@ -62,7 +64,8 @@ class BlockLoader:
         tensors: dict[str, torch.Tensor] = {}
         for part in parts:
             verify = self._verify and part not in self._verified
-            tensors.update(map_part(self.store, part, verify=verify, mappings=getattr(self._collect, "mappings", None)))
+            tensors.update(map_part(self.store, part, verify=verify, mappings=getattr(self._collect, "mappings", None),
+                                   experts=self._experts))
             if verify:
                 self._verified.add(part)
         return tensors

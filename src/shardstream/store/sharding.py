@@ -3,6 +3,9 @@
 It sits beside the manifest (which the converter owns) and, like it, carries its own checksum and
 is only ever replaced atomically, so an interrupted `shard` or `relocate` leaves the old index or
 the new one, never a mix. Files it names are checked against its checksums before use.
+
+A placed expert is stored apart: once `shardstream shard --experts` has finished, its tensors are
+in its tier file only, and `Store.load("mid/<l>")` reads them from there (see `Expert`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,20 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from ..errors import StoreCorrupt, StoreIncomplete
+import torch
+
+from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
-from ..store.checksum import checksum_bytes
-from ..store.manifest import FORMAT_VERSION, FileRecord, canonical_json, check_relative, load_manifest, sealed, unsealed
-from ..store.reader import Store
-from ..store.remote import RemoteStore
+from .checksum import checksum_bytes
+from .manifest import FORMAT_VERSION, FileRecord, TensorRecord, canonical_json, check_relative, sealed, unsealed
+from .partfile import decode_tensor
+
+if TYPE_CHECKING:
+    from .reader import Store
 
 INDEX_NAME = "sharding.json"
 
@@ -47,7 +56,7 @@ class ExpertRecord:
     expert: int
     file: str
     hint: int
-    tensors: dict[str, dict]   # name -> {dtype, shape, offset, length}
+    tensors: dict[str, dict]   # name -> {dtype, shape, offset, length[, quant]}
 
 
 @dataclass
@@ -62,12 +71,12 @@ class ShardIndex:
         """The self-checksummed index, e.g. for a pipeline stage's own copy."""
         return canonical_json(sealed(asdict(self)))
 
-    def save(self, root: Path) -> None:
-        write_json_atomic(Path(root) / INDEX_NAME, sealed(asdict(self)))
-        manifest = load_manifest(root)
-        if manifest.sharding != INDEX_NAME:   # first export: the manifest points at the index
-            manifest.sharding = INDEX_NAME
-            manifest.save(root)
+    def save(self, store: Store) -> None:
+        """Replace the store's index atomically; the first save also points its manifest at it."""
+        write_json_atomic(Path(store.root) / INDEX_NAME, sealed(asdict(self)))
+        if store.manifest.sharding != INDEX_NAME:
+            store.manifest.sharding = INDEX_NAME
+            store.manifest.save(store.root)
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "ShardIndex":
@@ -101,37 +110,18 @@ def load_index(store: Store, for_update: bool = False) -> ShardIndex:
     rank or expert load otherwise); a caller that will change and save the index passes
     `for_update` and gets its own copy.
     """
-    version = _index_version(store)
+    version = store.file_version(INDEX_NAME)
     cached = getattr(store, "_sharding_index", None)
     if not for_update and cached is not None and cached[0] == version:
         return cached[1]
     try:
-        raw = read_store_file(store, INDEX_NAME)
+        raw = store.read_raw(INDEX_NAME)
     except StoreIncomplete:
         return ShardIndex()
     index = ShardIndex.from_bytes(raw, f"{store.root}/{INDEX_NAME}")
     if not for_update:
         store._sharding_index = (version, index)
     return index
-
-
-def _index_version(store: Store) -> tuple[int, int, int] | None:
-    """Identity of a local index file (every save is a new inode); None for a remote store,
-    whose index is read once per open."""
-    if isinstance(store, RemoteStore):
-        return None
-    try:
-        stat = (Path(store.root) / INDEX_NAME).stat()
-    except FileNotFoundError:
-        return (-1, -1, -1)
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-def read_store_file(store: Store, name: str, offset: int = 0, length: int | None = None) -> bytearray:
-    """Raw bytes of a file under the store root, local or remote (no checksum: callers check)."""
-    if isinstance(store, RemoteStore):
-        return bytearray(store.read_bytes(name, offset, length))
-    return read_path(Path(store.root) / name, offset, length)
 
 
 def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearray:
@@ -143,12 +133,71 @@ def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearr
             handle.seek(offset)
             got = handle.readinto(data)
     except FileNotFoundError:
-        raise StoreIncomplete(f"{path} is missing; run `shardstream verify`, then `shardstream shard` to rewrite it.") from None
+        raise StoreIncomplete(f"{path} is missing; run `shardstream verify` to see what else is, and restore it.") from None
     return data[:got] if got < len(data) else data
 
 
 def checked(data: bytes, record: FileRecord, where: str) -> bytes:
     """`data` if it matches its index record; a corrupt file is named and never used."""
     if len(data) != record.size or checksum_bytes(data) != record.xxh3_128:
-        raise StoreCorrupt(f"{where} fails its checksum; run `shardstream shard` again to rewrite it.")
+        raise StoreCorrupt(
+            f"{where} fails its checksum and is not used; rewrite a TP slice with `shardstream shard --tp`, "
+            "restore an expert file from a backup (or rebuild: `shardstream convert`, then `shard --experts`)."
+        )
     return data
+
+
+def tier_root(store: Store, index: ShardIndex, tier: str) -> Path:
+    """A tier's folder: absolute (another disk), or relative to the store root."""
+    root = Path(index.tiers[tier]["root"])
+    return root if root.is_absolute() else Path(store.root) / root
+
+
+def placed_in(store: Store, layer: int) -> list[ExpertRecord]:
+    """The experts of block `layer` stored apart on tiers (none for a store never sharded)."""
+    if not store.manifest.sharding:
+        return []
+    return [r for r in load_index(store).experts.values() if r.group == layer]
+
+
+class Expert:
+    """One placed expert; its file is read and checksum-verified on first use of `tensors`."""
+
+    def __init__(self, store: Store, index: ShardIndex, record: ExpertRecord):
+        self.store, self.index, self.record = store, index, record
+
+    @cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        data = checked(self.raw(), self.index.files[self.record.file], self.where())
+        return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r))
+                for n, r in self.record.tensors.items()}
+
+    def where(self) -> str:
+        return str(PurePosixPath(self.index.tiers[self.record.tier]["root"]) / self.record.file)
+
+    def raw(self) -> bytearray:
+        """The file's bytes, unchecked."""
+        record = self.record
+        root = self.index.tiers[record.tier]["root"]
+        if not Path(root).is_absolute():
+            return self.store.read_raw(str(PurePosixPath(root) / record.file))
+        if self.store.remote:
+            raise InvalidOption(
+                f"expert {record.group}:{record.expert} is on tier {record.tier!r} at {root}, outside the store; "
+                "relocate it to a tier inside the store to serve it over HTTP."
+            )
+        return read_path(Path(root) / record.file)
+
+
+def load_expert(store: Store, layer: int, expert: int) -> Expert:
+    index = load_index(store)
+    return Expert(store, index, expert_record(store, index, layer, expert))
+
+
+def expert_record(store: Store, index: ShardIndex, layer: int, expert: int) -> ExpertRecord:
+    try:
+        return index.experts[f"{layer}:{expert}"]
+    except KeyError:
+        raise PartNotFound(
+            f"{store.root}/{INDEX_NAME} places no expert {layer}:{expert}; run `shardstream shard {store.root} --experts` first."
+        ) from None
