@@ -25,6 +25,9 @@ def test_shard_relocate_verify(tmp_path):
     assert "expert 1:2 is on tier cold" in moved.stdout
     assert (cold / "experts" / "tier_cold" / "group_1" / "expert_2.safetensors").is_file()
     assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
+    listed = "".join(run_cli("inspect", "store", cwd=tmp_path, check=True).stdout.split())   # as if never wrapped
+    for line in ["experts on tier hot (.): 11 files", f"experts on tier cold ({cold}): 1 files", "tensor-parallel slices: 2 ranks"]:
+        assert "".join(line.split()) in listed
 
     store = open_store(tmp_path / "store")
     assert store.manifest.sharding == "sharding.json"
