@@ -36,7 +36,7 @@ def agent_command(
     if advertise:
         from .discovery import advertise as announce
 
-        announcer = announce(name, port)
+        announcer = announce(name, port, host)
     agent = Agent(name, token, cache_dir, port + 1 if data_port is None else data_port)
     try:
         uvicorn.run(create_agent_app(agent), host=host, port=port, log_level="warning")
@@ -75,6 +75,11 @@ def coordinator_command(
     from .server import BackgroundServer, coordinator_app
 
     found = [u for u in (urls or "").split(",") if u] + (find(discover) if discover else [])
+    if not found:
+        raise InvalidOption(
+            "no agents: give --urls, or --discover SECONDS to find agents started with --advertise"
+            + (f" (none answered mDNS within {discover:g} s)." if discover else ".")
+        )
     store = open_store(model)
     options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
                                  pipeline_order.split(",") if pipeline_order else None)

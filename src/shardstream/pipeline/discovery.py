@@ -18,10 +18,11 @@ def _zeroconf():
     return zeroconf
 
 
-def advertise(name: str, port: int):
-    """Register this agent; returns the Zeroconf instance to close on exit."""
+def advertise(name: str, port: int, host: str = "0.0.0.0"):
+    """Register this agent at the address it listens on (this machine's, when it listens on all);
+    returns the Zeroconf instance to close on exit."""
     zeroconf = _zeroconf()
-    address = socket.gethostbyname(socket.gethostname())
+    address = socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "") else host
     info = zeroconf.ServiceInfo(SERVICE, f"{name}.{SERVICE}", port=port, addresses=[socket.inet_aton(address)],
                                 properties={"name": name})
     instance = zeroconf.Zeroconf()

@@ -37,15 +37,17 @@ class LocalAgent:
                 self.kill()
 
 
-def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0) -> list[LocalAgent]:
-    """Start one agent process per name (all at once), then wait until each answers its health check."""
+def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0,
+                 advertise: bool = False) -> list[LocalAgent]:
+    """Start one agent process per name (all at once; announced by mDNS with `advertise`), then
+    wait until each answers its health check."""
     folder.mkdir(parents=True, exist_ok=True)
     agents = []
     for name in names:
         port, log = free_port(), folder / f"{name}.log"
         command = [sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
                    "--host", "127.0.0.1", "--port", str(port), "--data-port", str(free_port()),
-                   "--cache-dir", str(folder / name)]
+                   "--cache-dir", str(folder / name)] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         agents.append(LocalAgent(name, f"http://127.0.0.1:{port}", process, log))
