@@ -58,6 +58,7 @@ def deployed(tiny, agents, tmp_path):
     for profile in coordinator.profiles.values():  # measured; made equal for a deterministic plan
         profile.gflops = 1e-3  # compute outweighs the hops, so more stages pay
         profile.rtt_seconds = {name: 1e-3 for name in profile.rtt_seconds}
+        profile.bandwidth_bytes_per_s = {name: 1e8 for name in profile.bandwidth_bytes_per_s}
     pipeline = PipelineModel(coordinator, "127.0.0.1")
     server = BackgroundServer(coordinator_app(pipeline, tokenizer, "tiny", tmp_path / "stages", TOKEN), "127.0.0.1", 0)
     coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
@@ -80,8 +81,15 @@ def test_agents_report_capabilities_profiles_and_round_trips(agents):
     assert 0 < capabilities["ram_available_bytes"] <= capabilities["ram_total_bytes"]
     assert client.post("/v1/profile/matmul", {"size": 64, "repeats": 2})["gflops"] > 0
     assert client.post("/v1/profile/block", {"hidden_size": 32, "intermediate_size": 64})["gflops"] > 0
-    rtt = client.post("/v1/net/ping", {"peers": [agents[1].url, "http://127.0.0.1:9"]})["rtt_seconds"]
+    net = client.post("/v1/net/ping", {"peers": [agents[1].url, "http://127.0.0.1:9"], "probe_bytes": 2**20})
+    rtt, bandwidth = net["rtt_seconds"], net["bandwidth_bytes_per_s"]
     assert 0 < rtt[agents[1].url] < 1 and rtt["http://127.0.0.1:9"] is None
+    assert bandwidth[agents[1].url] > 1e6 and bandwidth["http://127.0.0.1:9"] is None   # loopback: far above 1 MB/s
+    assert len(httpx.get(agents[1].url + "/v1/net/blob", params={"size": 1000},
+                         headers={"Authorization": f"Bearer {TOKEN}"}).content) == 1000
+    too_big = httpx.post(agents[0].url + "/v1/net/ping", json={"peers": [], "probe_bytes": 2**30},
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+    assert too_big.status_code == 422
 
 
 @pytest.mark.parametrize("path", ["/v1/health", "/v1/capabilities", "/v1/stage/unload"])

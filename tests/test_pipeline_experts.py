@@ -39,6 +39,7 @@ def pipeline(tmp_path_factory):
     for profile in coordinator.profiles.values():  # equal devices: the blocks split over both
         profile.gflops = 1e-3
         profile.rtt_seconds = {name: 1e-3 for name in profile.rtt_seconds}
+        profile.bandwidth_bytes_per_s = {name: 1e8 for name in profile.bandwidth_bytes_per_s}
     model = PipelineModel(coordinator, "127.0.0.1")
     server = BackgroundServer(coordinator_app(model, None, "tiny", tmp / "work" / "stages", TOKEN), "127.0.0.1", 0)
     coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 import httpx
 import torch
 import zmq
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from ..errors import InvalidOption, ShardstreamError
@@ -52,6 +53,7 @@ class BlockProfileRequest(BaseModel):
 class PingRequest(BaseModel):
     peers: list[str]
     timeout: float = Field(2.0, gt=0, le=30)
+    probe_bytes: int = Field(0, ge=0, le=measure.PROBE_LIMIT)   # > 0: also measure bandwidth with this many bytes
 
 
 @dataclass
@@ -160,7 +162,14 @@ def create_agent_app(agent: Agent) -> FastAPI:
 
     @app.post("/v1/net/ping")
     def net_ping(request: PingRequest) -> dict:
-        return {"rtt_seconds": measure.ping(request.peers, {"Authorization": f"Bearer {agent.token}"}, request.timeout)}
+        rtts, bandwidths = measure.ping(request.peers, {"Authorization": f"Bearer {agent.token}"}, request.timeout,
+                                        request.probe_bytes)
+        return {"rtt_seconds": rtts, "bandwidth_bytes_per_s": bandwidths}
+
+    @app.get("/v1/net/blob")
+    def net_blob(size: int = Query(..., ge=1, le=measure.PROBE_LIMIT)) -> Response:
+        """`size` bytes for a peer's bandwidth probe (random, so no link compression flatters it)."""
+        return Response(os.urandom(size), media_type="application/octet-stream")
 
     @app.post("/v1/stage/load")
     def stage_load(request: LoadRequest) -> dict:

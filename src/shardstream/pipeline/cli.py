@@ -56,6 +56,7 @@ def coordinator_command(
     min_prefix: Annotated[int, typer.Option(help="Blocks the first stage holds at least.")] = 0,
     context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048,
     objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency",
+    probe_bytes: Annotated[int, typer.Option(help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20,
     package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
     work_dir: Annotated[Path, typer.Option(help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline"),
     serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions here and keep running.")] = None,
@@ -82,7 +83,7 @@ def coordinator_command(
         )
     store = open_store(model)
     options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
-                                 pipeline_order.split(",") if pipeline_order else None)
+                                 pipeline_order.split(",") if pipeline_order else None, probe_bytes)
     coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
     try:
         coordinator.profile()

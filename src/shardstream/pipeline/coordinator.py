@@ -18,6 +18,7 @@ from ..errors import InvalidOption, PlanInfeasible
 from ..store import Store
 from .client import AgentClient
 from .costs import activation_bytes, device_from_profile, model_cost
+from .measure import PROBE_LIMIT
 from .package import package_plan
 from .planner import LAN, Link, Plan, PlanOptions, plan
 
@@ -33,6 +34,7 @@ class CoordinatorOptions:
     min_prefix: int = 0
     objective: str = "latency"
     pipeline_order: list[str] | None = None
+    bandwidth_probe_bytes: int = 4 * 2**20   # per agent pair; 0 assumes a 1 Gbit/s LAN instead
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Profile:
     gflops: float
     data_port: int
     rtt_seconds: dict[str, float] = field(default_factory=dict)  # to each other agent, by name
+    bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)  # from each other agent, by name
 
 
 @dataclass
@@ -61,6 +64,8 @@ class Coordinator:
             raise InvalidOption(f"--mem-fraction must be in (0, 1], not {options.mem_fraction}.")
         if not agents:
             raise InvalidOption("no agents: give --urls or --discover.")
+        if not 0 <= options.bandwidth_probe_bytes <= PROBE_LIMIT:
+            raise InvalidOption(f"--probe-bytes must be between 0 and {PROBE_LIMIT}, not {options.bandwidth_probe_bytes}.")
         self.store, self.options = store, options
         self.agents = {}
         for agent in agents:
@@ -88,9 +93,12 @@ class Coordinator:
             capabilities = agent.get("/v1/capabilities")
             gflops = agent.post("/v1/profile/block", shape, timeout=120)["gflops"]
             others = [url for url in urls if url != agent.url]
-            rtt = agent.post("/v1/net/ping", {"peers": others})["rtt_seconds"] if others else {}
-            self.profiles[name] = Profile(capabilities["ram_available_bytes"], gflops, capabilities["data_port"],
-                                          {urls[u]: t for u, t in rtt.items() if t is not None})
+            probe = self.options.bandwidth_probe_bytes
+            net = agent.post("/v1/net/ping", {"peers": others, "probe_bytes": probe}, timeout=60) if others else {}
+            self.profiles[name] = Profile(
+                capabilities["ram_available_bytes"], gflops, capabilities["data_port"],
+                {urls[u]: t for u, t in net.get("rtt_seconds", {}).items() if t is not None},
+                {urls[u]: b for u, b in net.get("bandwidth_bytes_per_s", {}).items() if b})
         return self.profiles
 
     def make_plan(self, names: list[str]) -> Plan:
@@ -103,7 +111,8 @@ class Coordinator:
         if missing:
             raise InvalidOption(f"--pipeline-order names {sorted(missing)}, which no agent is called; use {sorted(self.agents)}.")
         order += [n for n in names if n not in order]
-        links = {(a, b): Link(rtt / 2, LAN.bandwidth_bytes_per_s)
+        # a -> b: half a's measured round trip to b, and the bandwidth b measured fetching from a (else a LAN's)
+        links = {(a, b): Link(rtt / 2, self.profiles[b].bandwidth_bytes_per_s.get(a, LAN.bandwidth_bytes_per_s))
                  for a in names for b, rtt in self.profiles[a].rtt_seconds.items() if b in names}
         options = PlanOptions(self.options.context_length, order, self.options.min_prefix,
                               self.options.objective, links)

@@ -59,18 +59,33 @@ def block_gflops(hidden: int, intermediate: int, tokens: int, repeats: int) -> f
     return flops / (time.perf_counter() - started) / 1e9
 
 
-def ping(peers: list[str], headers: dict[str, str], timeout: float) -> dict[str, float | None]:
-    """Median round trip (seconds) of three health requests to each peer; None when unreachable."""
-    times: dict[str, float | None] = {}
+PROBE_LIMIT = 64 * 2**20
+
+
+def ping(peers: list[str], headers: dict[str, str], timeout: float,
+         probe_bytes: int = 0) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """Per peer: the median round trip (seconds) of three health requests, and, with `probe_bytes`,
+    the bandwidth (bytes/s) of fetching that many bytes from its `/v1/net/blob`, less one round
+    trip. None where a peer is unreachable."""
+    rtts: dict[str, float | None] = {}
+    bandwidths: dict[str, float | None] = {}
     with httpx.Client(timeout=timeout, headers=headers) as client:
         for peer in peers:
-            samples = []
+            base = peer.rstrip("/")
+            rtts[peer] = bandwidths[peer] = None
             try:
+                samples = []
                 for _ in range(3):
                     started = time.perf_counter()
-                    client.get(peer.rstrip("/") + "/v1/health").raise_for_status()
+                    client.get(base + "/v1/health").raise_for_status()
                     samples.append(time.perf_counter() - started)
-                times[peer] = sorted(samples)[1]
+                rtts[peer] = sorted(samples)[1]
+                if probe_bytes:
+                    started = time.perf_counter()
+                    response = client.get(base + "/v1/net/blob", params={"size": probe_bytes})
+                    response.raise_for_status()
+                    elapsed = time.perf_counter() - started - rtts[peer]
+                    bandwidths[peer] = len(response.content) / max(elapsed, 1e-6)
             except httpx.HTTPError:
-                times[peer] = None
-    return times
+                pass
+    return rtts, bandwidths
