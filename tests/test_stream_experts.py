@@ -113,6 +113,7 @@ def test_unplaced_store_is_refused_and_corrupt_expert_named(tmp_path):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
-    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
-        with pytest.raises(StoreCorrupt, match=r"group_0/expert_\d\.safetensors fails its checksum"):
-            model(torch.tensor([[5, 6, 7]]))
+    for experts in ("on_demand", "with_block"):
+        with StreamingModel(store, experts=experts, max_resident_memory=0) as model:
+            with pytest.raises(StoreCorrupt, match=r"group_0/expert_\d\.safetensors fails its checksum"):
+                model(torch.tensor([[5, 6, 7]]))

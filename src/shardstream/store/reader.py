@@ -140,7 +140,7 @@ class Store:
         experts stored apart unless `experts=False` (a runtime that loads them on demand).
 
         `read(file_name)` supplies each file's bytes (default: `read_file`, a checked copy); the
-        streaming runtime passes one that maps the file instead. Expert files are always checked.
+        streaming runtime passes one that maps the file instead. `verify` also checks expert files.
         """
         record = self._part(part)
         read = read or (lambda name: self.read_file(name, verify=verify))
@@ -157,7 +157,7 @@ class Store:
         if experts and self._placed(part):
             index = load_index(self)
             for record in self._placed(part):
-                tensors.update(Expert(self, index, record).tensors)
+                tensors.update(Expert(self, index, record).read(verify or self.remote))
         if torch.device(device).type != "cpu":
             tensors = {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
         return tensors

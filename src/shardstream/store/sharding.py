@@ -168,7 +168,16 @@ class Expert:
 
     @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
-        data = checked(self.raw(), self.index.files[self.record.file], self.where())
+        return self.read(verify=True)
+
+    def read(self, verify: bool) -> dict[str, torch.Tensor]:
+        """The expert's tensors (dequantized) from a fresh read; checked against the index when `verify`."""
+        data = self.raw()
+        if verify:
+            checked(data, self.index.files[self.record.file], self.where())
+        elif len(data) != self.index.files[self.record.file].size:
+            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {self.index.files[self.record.file].size} "
+                               "its index says; run `shardstream verify --parts experts`.")
         return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r))
                 for n, r in self.record.tensors.items()}
 

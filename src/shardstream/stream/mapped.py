@@ -29,7 +29,7 @@ def map_part(store: Store, part: str, verify: bool = False,
     Verifying hashes the mapping itself: the bytes stay page-cache pages the kernel may reclaim,
     not a second (anonymous) copy that counts against a memory cap until the block is dropped.
     The mappings are appended to `mappings` when given (see `cool`). Experts stored apart are read
-    (checked) from their tiers unless `experts=False`.
+    from their tiers (checked when `verify`) unless `experts=False`.
     """
 
     def read(file_name: str) -> mmap.mmap:
@@ -38,7 +38,7 @@ def map_part(store: Store, part: str, verify: bool = False,
             mappings.append(mapping)
         return mapping
 
-    return store.load(part, read=read, experts=experts)
+    return store.load(part, read=read, verify=verify, experts=experts)
 
 
 def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
