@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 
 import shutil
+import subprocess
+import sys
 import time
 
 import httpx
@@ -108,6 +110,14 @@ def test_the_coordinator_names_an_unreachable_agent(tiny, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SourceUnreachable, match=rf"agent at {url} could not be reached .*start `shardstream agent` there"):
         Coordinator(tiny[0], [AgentClient(url, TOKEN)], CoordinatorOptions(tmp_path))
+
+
+def test_an_agent_on_a_taken_port_says_so(agents):
+    port = agents[0].url.rsplit(":", 1)[1]
+    run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                          "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"the agent cannot listen on 127.0.0.1:{port} (Address already in use); pick another --port." in run.stderr
 
 
 def test_greedy_output_over_three_agents_is_token_identical(tiny, deployed):

@@ -19,27 +19,40 @@ Token = Annotated[str, typer.Option(help="Shared secret; every request carries i
 def agent_command(
     name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.")],
     token: Token,
-    port: Annotated[int, typer.Option(help="Control-plane HTTP port.")] = 8008,
+    port: Annotated[int, typer.Option(help="Control-plane HTTP port (0: any free one; see --ready-file).")] = 8008,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
-    data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1).")] = None,
+    data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1, or any free one with --port 0).")] = None,
     cache_dir: Annotated[Path, typer.Option(help="Where downloaded stages are kept.")] = Path.home() / ".cache" / "shardstream" / "stages",
     advertise: Annotated[bool, typer.Option("--advertise", help="Announce this agent by mDNS (needs zeroconf).")] = False,
+    ready_file: Annotated[Optional[Path], typer.Option(help="Once bound, write {\"port\", \"data_port\"} here as JSON.")] = None,
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
+    import socket
+
     import uvicorn
 
+    from ..atomic import write_json_atomic
     from .agent import Agent, create_agent_app
 
     if not token:
         raise InvalidOption("--token is empty; give the agent a shared secret (or set SHARDSTREAM_TOKEN).")
-    announcer = None
-    if advertise:
-        from .discovery import advertise as announce
-
-        announcer = announce(name, port, host)
-    agent = Agent(name, token, cache_dir, port + 1 if data_port is None else data_port)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        uvicorn.run(create_agent_app(agent), host=host, port=port, log_level="warning")
+        listener.bind((host, port))
+    except OSError as error:
+        raise InvalidOption(f"the agent cannot listen on {host}:{port} ({error.strerror}); pick another --port.") from None
+    port = listener.getsockname()[1]
+    agent = Agent(name, token, cache_dir, (port + 1 if port else 0) if data_port is None else data_port)
+    announcer = None
+    try:
+        if advertise:
+            from .discovery import advertise as announce
+
+            announcer = announce(name, port, host)
+        if ready_file:
+            write_json_atomic(ready_file, {"port": port, "data_port": agent.data_port})
+        uvicorn.Server(uvicorn.Config(create_agent_app(agent), log_level="warning")).run(sockets=[listener])
     finally:
         agent.close()
         if announcer is not None:

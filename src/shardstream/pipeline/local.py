@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import signal
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from pathlib import Path
 import httpx
 
 from ..errors import SourceUnreachable
-from ..ports import free_port
 
 
 @dataclass
@@ -40,26 +40,37 @@ class LocalAgent:
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0,
                  advertise: bool = False) -> list[LocalAgent]:
     """Start one agent process per name (all at once; announced by mDNS with `advertise`), then
-    wait until each answers its health check."""
+    wait until each answers its health check. Each agent binds free ports itself and reports them
+    in a ready file, so no port can be taken between choosing and binding it."""
     folder.mkdir(parents=True, exist_ok=True)
-    agents = []
+    started = []
     for name in names:
-        port, log = free_port(), folder / f"{name}.log"
+        log, ready = folder / f"{name}.log", folder / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
         command = [sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
-                   "--host", "127.0.0.1", "--port", str(port), "--data-port", str(free_port()),
+                   "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                    "--cache-dir", str(folder / name)] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        agents.append(LocalAgent(name, f"http://127.0.0.1:{port}", process, log))
+        started.append((LocalAgent(name, "", process, log), ready))
+    agents = [agent for agent, _ in started]
     deadline = time.monotonic() + timeout
-    for agent in agents:
-        while not _healthy(agent, token):
+    for agent, ready in started:
+        while not (agent.url or _read_port(agent, ready)) or not _healthy(agent, token):
             if agent.process.poll() is not None or time.monotonic() > deadline:
                 for other in agents:
                     other.stop()
-                raise SourceUnreachable(f"agent {agent.name} at {agent.url} did not start; see {agent.log}.")
+                raise SourceUnreachable(f"agent {agent.name} did not start; see {agent.log}.")
             time.sleep(0.1)
     return agents
+
+
+def _read_port(agent: LocalAgent, ready: Path) -> bool:
+    """Set the agent's URL from its ready file, once it has written one."""
+    if not ready.is_file():
+        return False
+    agent.url = f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
+    return True
 
 
 def _die_with_parent() -> None:
