@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,3 +130,10 @@ def serve_hub(repos: dict[str, Path]) -> Iterator[tuple[str, list[LoggedRequest]
 
     with _serving(Handler, ranges=True) as served:
         yield served
+
+
+def unused_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: for "unreachable server" tests."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -24,10 +24,10 @@ from shardstream.pipeline.client import AgentClient
 from shardstream.pipeline.coordinator import Coordinator, CoordinatorOptions
 from shardstream.pipeline.generation import PipelineModel
 from shardstream.pipeline.local import spawn_agents
-from shardstream.ports import free_port
 from shardstream.pipeline.package import package_stage
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
+from http_server import unused_port
 from tiny_models import llama_store_with_tokenizer
 
 TOKEN = "test-token"
@@ -107,7 +107,7 @@ def test_the_coordinator_names_an_agent_that_refuses_the_token(agents, tiny, tmp
 
 
 def test_the_coordinator_names_an_unreachable_agent(tiny, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{unused_port()}"
     with pytest.raises(SourceUnreachable, match=rf"agent at {url} could not be reached .*start `shardstream agent` there"):
         Coordinator(tiny[0], [AgentClient(url, TOKEN)], CoordinatorOptions(tmp_path))
 

@@ -11,9 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from http_server import serve_directory, serve_hub
+from http_server import serve_directory, serve_hub, unused_port
 
-from shardstream.ports import free_port
 from shardstream.errors import CorruptShard, SourceNotFound, SourceUnreachable, UnsupportedModel, UntrustedPath
 from shardstream.sources import HttpSource, LocalSource, open_source
 from shardstream.sources.base import INDEX_FILE, SINGLE_FILE
@@ -247,7 +246,7 @@ def test_http_missing_file_is_not_found(sharded_copy: Path, tmp_path: Path) -> N
 
 
 def test_http_unreachable(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{free_port()}/models/tiny/"
+    url = f"http://127.0.0.1:{unused_port()}/models/tiny/"
     with pytest.raises(SourceUnreachable, match=f"could not get {url}config.json after 2 attempts"):
         http_source(url, tmp_path).config()
 

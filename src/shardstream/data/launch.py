@@ -20,7 +20,6 @@ import torch
 
 from shardstream import errors
 from shardstream.atomic import fsync_dir, write_with_atomic
-from shardstream.ports import free_port
 from shardstream.data.model import average_state_dicts, load_model, load_tokenizer
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import STATE_FILENAME, read_state, write_state
@@ -47,14 +46,15 @@ def prepare_tracker(cfg: TrainConfig) -> None:
         tracker.setup(cfg.dataset, cfg.samples_per_block, cfg.chunk_size)
 
 
-def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path, port: int) -> None:
+def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path) -> None:
     """Entry point of a spawned worker: train, then leave weights or the error as a file."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.processes))
     try:
         if cfg.ddp:
             import torch.distributed as dist
 
-            dist.init_process_group("nccl" if cfg.cuda_ids else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+            # rendezvous through a file in the run's fresh folder: no port to pick (and race for) in advance
+            dist.init_process_group("nccl" if cfg.cuda_ids else "gloo", init_method=f"file://{results / 'rendezvous'}",
                                     rank=index, world_size=cfg.nproc)
             state = run_ddp_rank(cfg, index, budget)
             dist.destroy_process_group()
@@ -70,8 +70,7 @@ def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path, p
 
 def _run_processes(cfg: TrainConfig, budget: Budget, results: Path) -> list[dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_process_main, args=(cfg, i, budget, results, port), daemon=False) for i in range(cfg.processes)]
+    procs = [ctx.Process(target=_process_main, args=(cfg, i, budget, results), daemon=False) for i in range(cfg.processes)]
     for p in procs:
         p.start()
     for p in procs:
