@@ -132,10 +132,15 @@ def load_manifest(root: Path) -> Manifest:
         raise StoreIncomplete(
             f"{path} does not exist; this is not a shardstream store (run `shardstream convert` first)."
         ) from None
+    return Manifest.from_dict(json_object(raw, str(path), "re-run `shardstream convert` to rebuild it"), str(path))
+
+
+def json_object(raw: bytes, where: str, remedy: str) -> dict:
+    """`raw` parsed as a JSON object, or StoreCorrupt naming `where` and the `remedy`."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise StoreCorrupt(f"{path} is not valid JSON; re-run `shardstream convert` to rebuild it.") from None
+        raise StoreCorrupt(f"{where} is not valid JSON; {remedy}.") from None
     if not isinstance(body, dict):
-        raise StoreCorrupt(f"{path} is not a JSON object; re-run `shardstream convert` to rebuild it.")
-    return Manifest.from_dict(body, str(path))
+        raise StoreCorrupt(f"{where} is not a JSON object; {remedy}.")
+    return body

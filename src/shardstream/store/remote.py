@@ -7,13 +7,11 @@ network nothing else guarantees it; a single tensor read by Range is checked aga
 
 from __future__ import annotations
 
-import json
-
 import httpx
 
 from ..errors import SourceUnreachable, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
-from .manifest import MANIFEST_NAME, Manifest, TensorRecord
+from .manifest import MANIFEST_NAME, Manifest, TensorRecord, json_object
 from .reader import Store
 
 
@@ -60,12 +58,7 @@ def open_remote_store(url: str, *, allow_incomplete: bool = False, timeout: floa
     """Fetch and verify manifest.json from `url` (a folder URL; a trailing slash is added)."""
     url = url if url.endswith("/") else url + "/"
     client = httpx.Client(timeout=timeout)
-    try:
-        body = json.loads(_get(client, url + MANIFEST_NAME))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise StoreCorrupt(f"{url}{MANIFEST_NAME} is not valid JSON; re-upload the store.") from None
-    if not isinstance(body, dict):
-        raise StoreCorrupt(f"{url}{MANIFEST_NAME} is not a JSON object; re-upload the store.")
+    body = json_object(_get(client, url + MANIFEST_NAME), url + MANIFEST_NAME, "re-upload the store")
     manifest = Manifest.from_dict(body, url + MANIFEST_NAME)
     if not manifest.complete and not allow_incomplete:
         raise StoreIncomplete(f"the store at {url} is incomplete; finish `shardstream convert` before serving it.")

@@ -10,7 +10,6 @@ in its tier file only, and `Store.load("mid/<l>")` reads them from there (see `E
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -22,7 +21,7 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
-from .manifest import FORMAT_VERSION, FileRecord, TensorRecord, canonical_json, check_relative, sealed, unsealed
+from .manifest import FORMAT_VERSION, FileRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
 if TYPE_CHECKING:
@@ -80,13 +79,7 @@ class ShardIndex:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "ShardIndex":
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise StoreCorrupt(f"{where} is not a sharding index; re-run `shardstream shard`.") from None
-        if not isinstance(body, dict):
-            raise StoreCorrupt(f"{where} is not a sharding index; re-run `shardstream shard`.")
-        body = unsealed(body, where, "re-run `shardstream shard`")
+        body = unsealed(json_object(raw, where, "re-run `shardstream shard`"), where, "re-run `shardstream shard`")
         if body.get("format_version", 1) > FORMAT_VERSION:
             raise StoreCorrupt(f"{where} was written by a newer shardstream; upgrade shardstream.")
         index = cls(tiers=body["tiers"], format_version=body.get("format_version", 1))
