@@ -138,8 +138,12 @@ def test_openai_completions_through_the_coordinator(tiny, deployed):
     body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
     assert httpx.post(url, json=body).status_code == 401
     reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).json()
-    expected = _reference(reference, tokenizer, 10)[len(PROMPT):]
-    assert reply["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    expected = tokenizer.decode(_reference(reference, tokenizer, 10)[len(PROMPT):], skip_special_tokens=True)
+    assert reply["choices"][0]["text"] == expected
+    stop = expected[4:6]
+    stopped = httpx.post(url, json={**body, "stop": stop}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).json()
+    assert stopped["choices"][0]["text"] == expected[:expected.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] < 10
 
 
 def test_stage_files_are_served_with_range_requests(tiny, deployed):

@@ -14,7 +14,7 @@ import uvicorn
 from shardstream.errors import InvalidOption
 from shardstream.stream import AutoModel
 from shardstream.stream.cli import generate_command
-from shardstream.stream.server import create_app
+from shardstream.stream.server import _StopFilter, create_app
 from shardstream.stream.text import load_tokenizer
 from tiny_models import llama_store_with_tokenizer
 
@@ -101,6 +101,30 @@ def test_completion_whole_and_streamed_equal_the_reference(server):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_stop_strings_end_generation_and_are_left_out(server):
+    client, reference, tokenizer = server
+    full = _greedy_text(reference, tokenizer, PROMPT, 20)
+    stop = full[8:10]
+    want = full[:full.index(stop)]
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stop": [stop, "never in the text"]}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"][0]["text"] == want and whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] < 20   # generation itself ended at the stop string
+    chunks = _events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    unstopped = client.post("/v1/completions", json={**body, "stop": "never in the text"}).json()["choices"][0]
+    assert unstopped["text"] == full and unstopped["finish_reason"] == "length"
+
+
+def test_stop_filter_holds_back_a_possible_stop_string_across_pieces():
+    stops = _StopFilter(["END"])
+    assert [stops.feed(p) for p in ["abcE", "N", "Dxyz", "more"]] == ["ab", "c", "", ""]
+    assert stops.stopped and stops.flush() == ""
+    plain = _StopFilter(["END"])
+    assert plain.feed("hello E") + plain.feed("N") + plain.flush() == "hello EN" and not plain.stopped
+
+
 def test_chat_uses_the_plain_fallback_without_a_template(server):
     client, reference, tokenizer = server
     messages = [{"role": "user", "content": "Hi"}]
@@ -118,6 +142,8 @@ def test_chat_uses_the_plain_fallback_without_a_template(server):
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 422, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 422, "role"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, 400, "at most 62 new tokens"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4 stop strings"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ""}, 422, "none of them empty"),
 ])
 def test_malformed_requests_get_a_clear_error(server, path, body, status, words):
     client, _, _ = server

@@ -15,7 +15,8 @@ import uuid
 
 import torch
 import zmq
-from transformers import AutoConfig, GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopPLogitsWarper)
 
 from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
 from .coordinator import Coordinator, Route
@@ -58,9 +59,11 @@ class PipelineModel:
                                 f"pipeline's --context-length of {limit}; ask for fewer tokens or re-plan with more.")
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, streamer=None, **ignored) -> torch.Tensor:
-        """Prompt + new tokens, [1, n]; stops at an end-of-sequence token like transformers does.
-        (`attention_mask`, `pad_token_id`: one unpadded sequence needs neither.)"""
+                 temperature: float = 1.0, top_p: float = 1.0, streamer=None,
+                 stopping_criteria: StoppingCriteriaList | None = None, **ignored) -> torch.Tensor:
+        """Prompt + new tokens, [1, n]; stops at an end-of-sequence token, or when `stopping_criteria`
+        says so, like transformers does. (`attention_mask`, `pad_token_id`: one unpadded sequence
+        needs neither.)"""
         if input_ids.shape[0] != 1:
             raise InvalidOption(f"the pipeline generates one sequence at a time, not a batch of {input_ids.shape[0]}.")
         self.check_length(input_ids, max_new_tokens)
@@ -70,13 +73,14 @@ class PipelineModel:
             streamer.put(input_ids.cpu())
         with self._lock:
             try:
-                self._decode(tokens, max_new_tokens, warp, do_sample, streamer)
+                self._decode(tokens, max_new_tokens, warp, do_sample, streamer, stopping_criteria)
             finally:
                 if streamer is not None:
                     streamer.end()
         return torch.tensor([tokens])
 
-    def _decode(self, tokens: list[int], new: int, warp: LogitsProcessorList, sample: bool, streamer) -> None:
+    def _decode(self, tokens: list[int], new: int, warp: LogitsProcessorList, sample: bool, streamer,
+                stop: StoppingCriteriaList | None) -> None:
         session, cached, eos = uuid.uuid4().hex, 0, set(self.generation_config.eos_token_id or [])
         route = self.coordinator.route
         target = len(tokens) + new
@@ -95,7 +99,7 @@ class PipelineModel:
                 tokens.append(token)
                 if streamer is not None:
                     streamer.put(torch.tensor([token]))
-                if token in eos:
+                if token in eos or (stop and bool(stop(torch.tensor([tokens]), None).any())):
                     break
         finally:
             self._end(route, session)
