@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardstream
+from shardstream.convert import convert
 from http_server import serve_directory
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.shard import (RELOCATION_STEPS, load_expert, load_index, parse_expert_key, parse_tiers,
@@ -127,6 +128,14 @@ def test_placing_stores_each_expert_once(placed, original, tmp_path):
     placed_bytes = disk_bytes(store.root, tmp_path / "nvme", tmp_path / "hdd")
     assert placed_bytes < disk_bytes(original.root) * 1.1   # not the experts twice
     assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+
+
+def test_rerunning_convert_on_a_placed_store_changes_nothing(placed, original):
+    store, _ = placed
+    before = (store.root / "manifest.json").read_bytes()
+    report = convert(original.root.parent / "src", store.root, progress=False)
+    assert report.parts_written == [] and (store.root / "manifest.json").read_bytes() == before
+    assert_same_parts(shardstream.open_store(store.root), original)
 
 
 @pytest.mark.parametrize("compression", ["4bit", "8bit"])
