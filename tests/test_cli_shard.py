@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from shardstream.convert import convert
-from shardstream.shard import load_expert, load_tp
 from shardstream.store import open_store
 
 from http_server import serve_directory
@@ -32,10 +31,10 @@ def test_shard_relocate_verify(tmp_path):
     store = open_store(tmp_path / "store")
     assert store.manifest.sharding == "sharding.json"
     whole = store.load("mid/1")
-    expert = load_expert(store, layer=1, expert=2).tensors
+    expert = store.load_expert(layer=1, expert=2).tensors   # the API
     for name, tensor in expert.items():
         assert torch.equal(tensor, whole[name])
-    halves = [load_tp(store, "mid/1", tp_rank=r, tp_size=2) for r in range(2)]
+    halves = [store.load("mid/1", tp_rank=r, tp_size=2) for r in range(2)]
     q = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(torch.cat([h[q] for h in halves]), whole[q])
 

@@ -85,7 +85,7 @@ def test_rank_reads_only_its_own_bytes_over_http(tmp_path_factory):
     with serve_directory(root) as (url, log):
         store = open_remote_store(url)
         before = len(log)
-        tensors = load_tp(store, "mid/2", tp_rank=1, tp_size=4)
+        tensors = store.load("mid/2", tp_rank=1, tp_size=4)   # the API, over HTTP
         reads = log[before:]
     assert tensors["model.layers.2.self_attn.q_proj.weight"].shape == (8, 32)
     files = sorted(r.path.lstrip("/") for r in reads)
@@ -108,6 +108,15 @@ def test_corrupt_slice_is_named_and_other_ranks_still_load(tmp_path_factory):
     assert "transformer.h.1.attn.c_attn.weight" in load_tp(store, "mid/1", 1, 2)
     export_tp(store, 2)   # re-running rewrites the damaged file
     load_tp(store, "mid/1", 0, 2)
+
+
+@pytest.mark.parametrize("rank, size, words", [(1, None, "give both tp_rank and tp_size"),
+                                                (None, 2, "give both tp_rank and tp_size"),
+                                                (2, 2, r"tp_rank must be in \[0, tp_size\)")])
+def test_half_given_or_impossible_rank_is_refused(tmp_path_factory, rank, size, words):
+    store = shardstream.open_store(tiny_store("llama", tmp_path_factory))
+    with pytest.raises(InvalidOption, match=words):
+        store.load("mid/0", tp_rank=rank, tp_size=size)
 
 
 def test_indivisible_split_is_refused(tmp_path_factory):

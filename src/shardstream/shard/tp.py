@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidOption, StoreIncomplete
+from ..errors import InvalidOption
 from ..store.manifest import FileRecord
-from ..store.partfile import encode_part, tensor_from_bytes
+from ..store.partfile import encode_part
 from ..store.reader import Store
 from ..store.writer import write_encoded
-from ..store.sharding import SliceRecord, checked, load_index
+from ..store.sharding import SliceRecord, load_index
 
 COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj",
           "query_key_value", "dense_h_to_4h", "c_attn", "c_fc"}
@@ -82,17 +82,3 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
             ]
     index.save(store)
     return index.slices
-
-
-def load_tp(store: Store, part: str, tp_rank: int, tp_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Rank `tp_rank`'s slices of one part: reads that rank's file and nothing else of the part."""
-    index = load_index(store)
-    records = [s for s in index.slices if s.part == part and s.rank == tp_rank and s.count == tp_size]
-    if not records:
-        raise StoreIncomplete(
-            f"{store.root} has no rank {tp_rank} of {tp_size} slices for {part!r}; run "
-            f"`shardstream shard {store.root} --tp {tp_size}` first."
-        )
-    name = records[0].file
-    data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
-    return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PartNotFound, StoreCorrupt, StoreIncomplete
+from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
 from .manifest import Manifest, TensorRecord, load_manifest
 from .partfile import decode_tensor
-from .sharding import Expert, load_index, placed_in, read_path
+from .sharding import Expert, load_expert, load_index, load_tp, placed_in, read_path
 
 
 class Store:
@@ -124,6 +124,11 @@ class Store:
             raise StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert`.")
         return data
 
+    def load_expert(self, layer: int, expert: int) -> Expert:
+        """One expert placed by `shardstream shard --experts`; its file is read (and checksum-verified)
+        on first use of `.tensors`."""
+        return load_expert(self, layer, expert)
+
     def load_tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """One tensor by name (an alias resolves to its target), reading only its bytes."""
         target = self.manifest.aliases.get(name, {}).get("target", name)
@@ -135,13 +140,19 @@ class Store:
         return decode_tensor(data, base, record).to(device)
 
     def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False,
-             read: Callable[[str], bytearray | mmap.mmap] | None = None, experts: bool = True) -> dict[str, torch.Tensor]:
+             read: Callable[[str], bytearray | mmap.mmap] | None = None, experts: bool = True,
+             tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, torch.Tensor]:
         """All tensors of one part, dequantized, on `device`; tied tensors included, and the block's
         experts stored apart unless `experts=False` (a runtime that loads them on demand).
 
         `read(file_name)` supplies each file's bytes (default: `read_file`, a checked copy); the
         streaming runtime passes one that maps the file instead. `verify` also checks expert files.
+        With `tp_rank` and `tp_size`, only that rank's tensor-parallel slices (see `load_tp`).
         """
+        if tp_rank is not None or tp_size is not None:
+            if tp_rank is None or tp_size is None:
+                raise InvalidOption("give both tp_rank and tp_size to load one rank's slices, or neither.")
+            return load_tp(self, part, tp_rank, tp_size, device)
         record = self._part(part)
         read = read or (lambda name: self.read_file(name, verify=verify))
         tensors: dict[str, torch.Tensor] = {}

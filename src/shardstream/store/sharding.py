@@ -22,7 +22,7 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
 from .manifest import FORMAT_VERSION, FileRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
-from .partfile import decode_tensor
+from .partfile import decode_tensor, tensor_from_bytes
 
 if TYPE_CHECKING:
     from .reader import Store
@@ -203,3 +203,20 @@ def expert_record(store: Store, index: ShardIndex, layer: int, expert: int) -> E
         raise PartNotFound(
             f"{store.root}/{INDEX_NAME} places no expert {layer}:{expert}; run `shardstream shard {store.root} --experts` first."
         ) from None
+
+
+def load_tp(store: Store, part: str, tp_rank: int, tp_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Rank `tp_rank`'s slices of one part (written by `shardstream shard --tp`): reads that
+    rank's file, checksum-verified, and nothing else of the part. MoE experts are not sliced."""
+    if not 0 <= tp_rank < tp_size:
+        raise InvalidOption(f"tp_rank must be in [0, tp_size), not {tp_rank} of {tp_size}.")
+    index = load_index(store)
+    records = [s for s in index.slices if s.part == part and s.rank == tp_rank and s.count == tp_size]
+    if not records:
+        raise StoreIncomplete(
+            f"{store.root} has no rank {tp_rank} of {tp_size} slices for {part!r}; run "
+            f"`shardstream shard {store.root} --tp {tp_size}` first."
+        )
+    name = records[0].file
+    data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
+    return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}
