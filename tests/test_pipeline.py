@@ -23,7 +23,7 @@ from shardstream.pipeline.cli import coordinator_command
 from shardstream.pipeline.client import AgentClient
 from shardstream.pipeline.coordinator import Coordinator, CoordinatorOptions
 from shardstream.pipeline.generation import PipelineModel
-from shardstream.pipeline.local import spawn_agents
+from shardstream.pipeline.local import LocalAgent, spawn_agents
 from shardstream.pipeline.package import package_stage
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
@@ -186,11 +186,12 @@ def test_the_cli_plans_deploys_and_generates(tiny, agents, tmp_path, capsys):
     assert (tmp_path / "plan.json").is_file()
 
 
-def test_a_killed_agent_is_detected_replanned_and_the_output_is_the_same(tiny, agents, deployed, monkeypatch):
-    """Runs last: it kills agent b for good."""
+def test_a_killed_agent_is_detected_replanned_and_the_output_is_the_same(tiny, agents, deployed, monkeypatch, tmp_path):
+    """Kills agent b, then starts it again at the same address: the next request takes it back."""
     _, reference, tokenizer = tiny
     pipeline, _ = deployed
     coordinator = pipeline.coordinator
+    coordinator.options.readmit_after_s = 0.0
     assert [s.device for s in coordinator.route.plan.stages] == ["a", "b", "c"]
     killed_at, detected_at = [], []
     recover = coordinator.recover
@@ -214,6 +215,28 @@ def test_a_killed_agent_is_detected_replanned_and_the_output_is_the_same(tiny, a
     assert torch.equal(out[0], _reference(reference, tokenizer, 20))
     assert pipeline.recoveries == 1 and detected_at[0] - killed_at[0] < 2.0
     assert [s.device for s in coordinator.route.plan.stages] == ["a", "c"] and coordinator.route.epoch == 1
+
+    assert pipeline.generate(ids, max_new_tokens=3).shape[1] == ids.shape[1] + 3   # b is still down: no change
+    assert coordinator.route.epoch == 1 and "b" in coordinator.lost
+    agents[1] = _restart(agents[1], tmp_path)
+    out = pipeline.generate(ids, max_new_tokens=20)
+    assert torch.equal(out[0], _reference(reference, tokenizer, 20))
+    assert "b" in coordinator.agents and not coordinator.lost and coordinator.route.epoch == 2
+    assert "b" in [s.device for s in coordinator.route.plan.stages]   # measured now, b outruns a and c's fixed 1 MFLOPS
+
+
+def _restart(agent: LocalAgent, folder) -> LocalAgent:
+    """The same agent, started again at the same address (the fixture stops it at the end)."""
+    ready = folder / f"{agent.name}.ready.json"
+    process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", agent.name,
+                                "--token", TOKEN, "--host", "127.0.0.1", "--port", agent.url.rsplit(":", 1)[1],
+                                "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
+    client, deadline = AgentClient(agent.url, TOKEN), time.monotonic() + 60
+    while not ready.exists() or not client.alive(timeout=1.0):
+        assert process.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
+        time.sleep(0.1)
+    client.close()
+    return LocalAgent(agent.name, agent.url, process, agent.log)
 
 
 def test_when_the_agents_left_cannot_hold_the_model_the_error_says_so(tiny, agents, deployed):

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from transformers import AutoConfig
 
-from ..errors import InvalidOption, PlanInfeasible
+from ..errors import InvalidOption, PlanInfeasible, ShardstreamError
 from ..store import Store
 from .client import AgentClient
 from .costs import activation_bytes, device_from_profile, model_cost
@@ -35,6 +37,7 @@ class CoordinatorOptions:
     objective: str = "latency"
     pipeline_order: list[str] | None = None
     bandwidth_probe_bytes: int = 4 * 2**20   # per agent pair; 0 assumes a 1 Gbit/s LAN instead
+    readmit_after_s: float = 30.0   # a lost agent is tried again after this long (see Coordinator.readmit)
 
 
 @dataclass
@@ -76,20 +79,23 @@ class Coordinator:
             self.agents[agent.name] = agent
         self.cost = model_cost(store)
         self.profiles: dict[str, Profile] = {}
+        self.lost: dict[str, tuple[AgentClient, float]] = {}   # name -> (client, when to try it again)
         self.route: Route | None = None
         self.stage_url = ""  # set once the stage server listens
 
     # -- measuring and planning --------------------------------------------------------------
 
-    def profile(self) -> dict[str, Profile]:
-        """Capabilities, a block-shaped compute profile and round trips, from every agent."""
+    def profile(self, names: list[str] | None = None) -> dict[str, Profile]:
+        """Capabilities, a block-shaped compute profile, round trips and bandwidths, from these
+        agents (default: every one)."""
         config = AutoConfig.from_pretrained(self.store.root)
         hidden = config.hidden_size
         intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
         scale = min(1.0, (PROFILE_BLOCK_LIMIT / (4 * (4 * hidden * hidden + 3 * hidden * intermediate))) ** 0.5)
         shape = {"hidden_size": max(16, int(hidden * scale)), "intermediate_size": max(16, int(intermediate * scale))}
         urls = {agent.url: name for name, agent in self.agents.items()}
-        for name, agent in self.agents.items():
+        for name in names or list(self.agents):
+            agent = self.agents[name]
             capabilities = agent.get("/v1/capabilities")
             gflops = agent.post("/v1/profile/block", shape, timeout=120)["gflops"]
             others = [url for url in urls if url != agent.url]
@@ -149,9 +155,12 @@ class Coordinator:
         return self.route
 
     def recover(self, lost: str) -> Route:
-        """Drop a lost agent and deploy a new plan on the ones left, or say why that cannot work."""
+        """Set a lost agent aside and deploy a new plan on the ones left, or say why that cannot
+        work. The lost agent is tried again by `readmit` once `readmit_after_s` have passed."""
         log.warning("agent %s was lost; re-planning on the others", lost)
-        self.agents.pop(lost, None)
+        client = self.agents.pop(lost, None)
+        if client is not None:
+            self.lost[lost] = (client, time.monotonic() + self.options.readmit_after_s)
         if not self.agents:
             raise PlanInfeasible(f"agent {lost} was lost and no agents are left; start agents and retry.")
         try:
@@ -160,8 +169,33 @@ class Coordinator:
             raise PlanInfeasible(f"agent {lost} was lost and the agents left ({', '.join(self.agents)}) cannot hold "
                                  f"the model: {error}") from None
 
+    def readmit(self) -> Route | None:
+        """Take back lost agents that answer again (after their wait; a silent one waits again),
+        profile them and deploy a new plan that may use them; None when nobody came back.
+        Petals-style: a failed peer is left alone for a while, not forgotten."""
+        now, back = time.monotonic(), []
+        for name, (client, retry_at) in list(self.lost.items()):
+            if now < retry_at:
+                continue
+            if client.alive(timeout=1.0):
+                self.agents[name] = self.lost.pop(name)[0]
+                back.append(name)
+            else:
+                self.lost[name] = (client, now + self.options.readmit_after_s)
+        if not back:
+            return None
+        log.warning("agent(s) %s answer again; re-planning with them", ", ".join(back))
+        try:
+            self.profile(back)
+            return self.deploy(list(self.agents))
+        except (ShardstreamError, httpx.HTTPError) as error:   # gone again: back to the plan without them
+            log.warning("re-admitting %s failed (%s); keeping the plan without them", ", ".join(back), error)
+            for name in back:
+                self.lost[name] = (self.agents.pop(name), time.monotonic() + self.options.readmit_after_s)
+            return self.deploy(list(self.agents))
+
     def close(self) -> None:
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *(client for client, _ in self.lost.values())]:
             agent.close()
 
 

@@ -73,6 +73,7 @@ class PipelineModel:
             streamer.put(input_ids.cpu())
         with self._lock:
             try:
+                self.coordinator.readmit()   # lost agents that answer again rejoin before the request starts
                 self._decode(tokens, max_new_tokens, warp, do_sample, streamer, stopping_criteria)
             finally:
                 if streamer is not None:
