@@ -37,7 +37,7 @@ class LocalAgent:
                 self.kill()
 
 
-def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 120.0,
+def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 300.0,
                  advertise: bool = False) -> list[LocalAgent]:
     """Start one agent process per name (all at once; announced by mDNS with `advertise`), then
     wait until each answers its health check. Each agent binds free ports itself and reports them
