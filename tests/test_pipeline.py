@@ -8,11 +8,11 @@ plan is deterministic (throughput objective: equal devices split the blocks thre
 from __future__ import annotations
 
 import re
-
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -110,6 +110,32 @@ def test_the_coordinator_names_an_unreachable_agent(tiny, tmp_path):
     url = f"http://127.0.0.1:{unused_port()}"
     with pytest.raises(SourceUnreachable, match=rf"agent at {url} could not be reached .*start `shardstream agent` there"):
         Coordinator(tiny[0], [AgentClient(url, TOKEN)], CoordinatorOptions(tmp_path))
+
+
+ORPHAN_SCRIPT = """
+import os, sys
+from pathlib import Path
+from shardstream.pipeline.local import spawn_agents
+print(spawn_agents(["orphan"], "t", Path(sys.argv[1]))[0].process.pid, flush=True)
+os._exit(0)   # dies without stopping its agent
+"""
+
+
+def test_a_local_agent_does_not_outlive_the_process_that_started_it(tmp_path):
+    run = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    pid = int(run.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(pid), "the agent outlived its parent"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_an_agent_on_a_taken_port_says_so(agents):

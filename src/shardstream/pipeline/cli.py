@@ -33,7 +33,9 @@ def agent_command(
 
     from ..atomic import write_json_atomic
     from .agent import Agent, create_agent_app
+    from .local import follow_parent
 
+    follow_parent()
     if not token:
         raise InvalidOption("--token is empty; give the agent a shared secret (or set SHARDSTREAM_TOKEN).")
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

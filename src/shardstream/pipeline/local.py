@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 30
                    "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                    "--cache-dir", str(folder / name)] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                       env={**os.environ, PARENT_ENV: str(os.getpid())})
         started.append((LocalAgent(name, "", process, log), ready))
     agents = [agent for agent, _ in started]
     deadline = time.monotonic() + timeout
@@ -73,11 +75,19 @@ def _read_port(agent: LocalAgent, ready: Path) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it is gone, so no local agent outlives a
-    crashed demo or test run (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+PARENT_ENV = "SHARDSTREAM_PARENT_PID"
+
+
+def follow_parent() -> None:
+    """In an agent started by `spawn_agents`: get SIGTERM when the process that started it is gone,
+    so no local agent outlives a crashed demo or test run (Linux prctl PR_SET_PDEATHSIG). Done in
+    the agent itself, not in a `preexec_fn`, which can deadlock a parent that has threads."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):   # the parent died before the line above
+        sys.exit(0)
 
 
 def _healthy(agent: LocalAgent, token: str) -> bool:
