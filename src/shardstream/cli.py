@@ -151,34 +151,47 @@ def shard(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
     tp: Annotated[Optional[int], typer.Option("--tp", help="Write tensor-parallel slices for this many ranks.")] = None,
     experts: Annotated[bool, typer.Option("--experts", help="Store MoE experts as files on tiers.")] = False,
-    tiers: Annotated[str, typer.Option(help="name=folder pairs, fastest first; relative = inside the store.")] = "hot=.",
+    tiers: Annotated[Optional[str], typer.Option(help="name=folder pairs, fastest first; relative = inside the store (default with --experts: hot=.).")] = None,
 ) -> None:
-    """Export tensor-parallel slices and/or place MoE experts on storage tiers."""
-    from .shard import export_tp, parse_tiers, place_experts
+    """Export tensor-parallel slices, define storage tiers, and/or place MoE experts on them."""
+    from .shard import define_tiers, export_tp, load_index, parse_tiers, place_experts
     from .store import open_store
 
-    if tp is None and not experts:
-        raise InvalidOption("shard needs --tp N and/or --experts; pass at least one.")
+    if tp is None and not experts and tiers is None:
+        raise InvalidOption("shard needs --tp N, --experts and/or --tiers; pass at least one.")
     opened = open_store(store)
     if tp is not None:
         console.print(f"{len(export_tp(opened, tp))} slices written for {tp} ranks")
     if experts:
-        console.print(f"{len(place_experts(opened, parse_tiers(tiers)))} experts placed")
+        console.print(f"{len(place_experts(opened, parse_tiers(tiers or 'hot=.')))} experts placed")
+    elif tiers is not None:
+        index = load_index(opened, for_update=True)
+        define_tiers(opened, index, parse_tiers(tiers))
+        index.save(opened)
+        listed = ", ".join(f"{name}={tier['root']}" for name, tier in index.tiers.items())
+        console.print(f"tiers: {listed}", soft_wrap=True, highlight=False)
 
 
 @app.command()
 def relocate(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
-    expert: Annotated[str, typer.Option(help="<layer>:<expert>, e.g. 12:7.")],
     tier: Annotated[str, typer.Option(help="Target tier name.")],
+    expert: Annotated[Optional[str], typer.Option(help="<layer>:<expert>, e.g. 12:7.")] = None,
+    part: Annotated[Optional[str], typer.Option(help="A whole part: start, mid/<i> or end.")] = None,
 ) -> None:
-    """Move one expert to another tier (copy, verify, switch the index, remove the old copy)."""
-    from .shard import parse_expert_key
+    """Move one expert or part to another tier (copy, verify, switch the index, remove the old copy)."""
+    from .shard import parse_expert_key, relocate_part
     from .shard import relocate as run_relocate
     from .store import open_store
 
+    if (expert is None) == (part is None):
+        raise InvalidOption("relocate needs exactly one of --expert <layer>:<expert> and --part <part>.")
+    opened, progress = open_store(store), (lambda step: console.print(f"  {step}"))
+    if part is not None:
+        console.print(f"part {part} is on tier {relocate_part(opened, part, tier, on_step=progress)}")
+        return
     layer, index = parse_expert_key(expert)
-    record = run_relocate(open_store(store), layer, index, tier, on_step=lambda step: console.print(f"  {step}"))
+    record = run_relocate(opened, layer, index, tier, on_step=progress)
     console.print(f"expert {expert} is on tier {record.tier}")
 
 

@@ -58,7 +58,7 @@ def _stage_files(store: Store, first: int, last: int) -> tuple[bytes, dict[str, 
         targets = [manifest.tensors[a["target"]].file for a in manifest.aliases.values() if a["part"] == part]
         for name in [*manifest.parts[part].files, *targets]:
             record = manifest.files[name]
-            files[name], sources[name] = {"size": record.size, "xxh3_128": record.xxh3_128}, store.root / name
+            files[name], sources[name] = {"size": record.size, "xxh3_128": record.xxh3_128}, store.file_path(name)
     index = load_index(store)
     experts = {key: r for key, r in index.experts.items() if first <= r.group < last}
     if experts:

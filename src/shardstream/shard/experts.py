@@ -64,20 +64,25 @@ def expert_file(tier: str, group: int, expert: int) -> str:
     return f"experts/tier_{tier}/group_{group}/expert_{expert}.safetensors"
 
 
-def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
-    """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
-    is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
-    an interrupted run and rewrites the same files."""
-    index = load_index(store, for_update=True)
+def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None:
+    """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root."""
     for name, root in tiers.items():
         if not Path(root).is_absolute():
             check_relative(root, "--tiers")
         if index.tiers.get(name, {"root": root})["root"] != root:
             raise InvalidOption(
                 f"tier {name!r} already has root {index.tiers[name]['root']} in {store.root}/{INDEX_NAME}; "
-                "keep that root or relocate its experts first."
+                "keep that root or relocate its experts and parts first."
             )
     index.tiers.update({name: {"root": root, "hint": i} for i, (name, root) in enumerate(tiers.items())})
+
+
+def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
+    """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
+    is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
+    an interrupted run and rewrites the same files."""
+    index = load_index(store, for_update=True)
+    define_tiers(store, index, tiers)
     groups: dict[tuple[int, int], list[str]] = {}
     for name, record in store.manifest.tensors.items():
         if record.expert is not None:
@@ -149,7 +154,7 @@ def _drop_experts_from_part(store: Store, layer: int, buffers: _FileBuffers) -> 
     if len(dense) < len(record.tensors):
         new_file = f"{part}/{WITHOUT_EXPERTS}"
         encoded = encode_stored({n: (buffers.get(manifest.tensors[n].file), asdict(manifest.tensors[n])) for n in dense})
-        digest = write_encoded(store.root / new_file, encoded)
+        digest = write_encoded(store.file_path(new_file), encoded)
         for name in record.tensors:
             del manifest.tensors[name]
         for name in record.files:
@@ -158,10 +163,11 @@ def _drop_experts_from_part(store: Store, layer: int, buffers: _FileBuffers) -> 
         manifest.tensors.update({n: TensorRecord(part=part, file=new_file, **r) for n, r in encoded.records.items()})
         manifest.parts[part] = PartRecord(files=[new_file], tensors=sorted(dense), nbytes=encoded.size)
         manifest.save(store.root)
-    for leftover in (store.root / part).glob("*.safetensors"):
+    folder = store.file_path(f"{part}/{WITHOUT_EXPERTS}").parent   # the part's folder, on its tier if relocated
+    for leftover in folder.glob("*.safetensors"):
         if f"{part}/{leftover.name}" not in manifest.files:
             leftover.unlink()
-    discard_temp_files(store.root / part)
+    discard_temp_files(folder)
 
 
 def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable[[str], None] = lambda step: None) -> ExpertRecord:

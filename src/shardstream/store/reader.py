@@ -6,7 +6,7 @@ import mmap
 import os
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -14,7 +14,7 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
 from .manifest import Manifest, TensorRecord, load_manifest
 from .partfile import decode_tensor
-from .sharding import Expert, load_expert, load_index, load_tp, placed_in, read_path
+from .sharding import Expert, load_expert, load_index, load_tp, placed_in, read_path, tier_root
 
 
 class Store:
@@ -43,6 +43,10 @@ class Store:
         """Stored bytes of the part, its experts stored apart included."""
         return self._part(part).nbytes + sum(load_index(self).files[r.file].size for r in self._placed(part))
 
+    def part_files(self, part: str) -> list[str]:
+        """The manifest files holding the part (names relative to the store; see `file_path`)."""
+        return list(self._part(part).files)
+
     def tensor_names(self, part: str) -> list[str]:
         """Names a load of this part returns, tied aliases and experts stored apart included."""
         own = self._part(part).tensors
@@ -64,6 +68,16 @@ class Store:
             names.update(n for r in load_index(self).experts.values() for n in r.tensors)
         return names
 
+    def file_path(self, name: str) -> Path:
+        """Where a manifest file is: under the store root, or under the root of the tier its part
+        was relocated to (`shardstream relocate --part`); a file lives in its part's folder."""
+        part = str(PurePosixPath(name).parent)
+        if self.manifest.sharding:
+            index = load_index(self)
+            if part in index.parts:
+                return tier_root(self, index, index.parts[part]) / name
+        return self.root / name
+
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         """Bytes of any file under the store root, unchecked (callers check against their index)."""
         return read_path(self.root / name, offset, length)
@@ -78,7 +92,7 @@ class Store:
 
     def read_file(self, name: str, verify: bool = False) -> bytearray:
         """The whole of one store file, checked against its size (and checksum when asked)."""
-        path = self.root / name
+        path = self.file_path(name)
         record = self.manifest.files[name]
         try:
             with open(path, "rb", buffering=0) as handle:
@@ -108,7 +122,7 @@ class Store:
 
     def read_tensor_bytes(self, record: TensorRecord) -> bytearray:
         """Only the bytes of one stored tensor (and its scales), for reading a single tensor."""
-        path = self.root / record.file
+        path = self.file_path(record.file)
         spans = [(record.offset, record.length)]
         if record.quant:
             spans.append((record.quant["absmax"]["offset"], record.quant["absmax"]["length"]))

@@ -7,12 +7,15 @@ network nothing else guarantees it; a single tensor read by Range is checked aga
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 import httpx
 
-from ..errors import SourceUnreachable, StoreCorrupt, StoreIncomplete
+from ..errors import InvalidOption, SourceUnreachable, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
 from .manifest import MANIFEST_NAME, Manifest, TensorRecord, json_object
 from .reader import Store
+from .sharding import load_index
 
 
 class RemoteStore(Store):
@@ -29,6 +32,20 @@ class RemoteStore(Store):
         """Bytes [offset, offset+length) of one file (all of it when length is None)."""
         return _get(self.client, self.root + name, offset, length)
 
+    def file_path(self, name: str) -> str:
+        """A manifest file's path below the URL: relocated parts are under their tier's folder,
+        which must then be inside the store."""
+        part = name.rpartition("/")[0]
+        index = load_index(self) if self.manifest.sharding else None
+        tier = index.parts.get(part) if index else None
+        if tier is None:
+            return name
+        root = index.tiers[tier]["root"]
+        if PurePosixPath(root).is_absolute():
+            raise InvalidOption(f"part {part} is on tier {tier!r} at {root}, outside the store; relocate it to a "
+                                "tier inside the store to serve it over HTTP.")
+        return str(PurePosixPath(root) / name)
+
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         return bytearray(self.read_bytes(name, offset, length))
 
@@ -38,7 +55,7 @@ class RemoteStore(Store):
 
     def read_file(self, name: str, verify: bool = True) -> bytearray:
         """One whole store file, always checksum-verified (the `verify` flag is kept for the interface)."""
-        data = self.read_bytes(name)
+        data = self.read_bytes(self.file_path(name))
         if checksum_bytes(data) != self.manifest.files[name].xxh3_128:
             raise StoreCorrupt(f"{self.root}{name} fails its checksum; re-upload the store and do not use this file.")
         return bytearray(data)
@@ -50,7 +67,7 @@ class RemoteStore(Store):
         begin = min(o for o, _ in spans)
         buffer = bytearray(max(o + n for o, n in spans) - begin)
         for offset, length in spans:   # codes and scales may sit far apart: fetch only those bytes
-            buffer[offset - begin: offset - begin + length] = self.read_bytes(record.file, offset, length)
+            buffer[offset - begin: offset - begin + length] = self.read_bytes(self.file_path(record.file), offset, length)
         return buffer
 
 

@@ -64,6 +64,7 @@ class ShardIndex:
     slices: list[SliceRecord] = field(default_factory=list)
     experts: dict[str, ExpertRecord] = field(default_factory=dict)  # "<group>:<expert>" -> record
     files: dict[str, FileRecord] = field(default_factory=dict)     # every TP and expert file (expert paths name their tier)
+    parts: dict[str, str] = field(default_factory=dict)   # part -> tier holding its files (same names, under the tier root)
     format_version: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
@@ -86,6 +87,7 @@ class ShardIndex:
         index.slices = [SliceRecord(**s) for s in body["slices"]]
         index.experts = {k: ExpertRecord(**e) for k, e in body["experts"].items()}
         index.files = {k: FileRecord(**f) for k, f in body["files"].items()}
+        index.parts = dict(body.get("parts", {}))
         for tier in index.tiers.values():
             if not Path(tier["root"]).is_absolute():
                 check_relative(tier["root"], where)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .checksum import checksum_file
 from .manifest import load_manifest
+from .reader import Store
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,13 @@ def verify_store(root: Path, parts: list[str] | None = None) -> tuple[int, list[
     """
     root = Path(root)
     manifest = load_manifest(root)
+    store = Store(root, manifest)   # parts relocated to tiers are checked where they are
     problems: list[Problem] = []
     hashed = 0
     for name, record in sorted(manifest.files.items()):
         if parts and not any(name == p or name.startswith(p.rstrip("/") + "/") for p in parts):
             continue
-        path = root / name
+        path = store.file_path(name)
         if not path.is_file():
             problems.append(Problem(name, "missing"))
             continue

@@ -42,7 +42,7 @@ def map_part(store: Store, part: str, verify: bool = False,
 
 
 def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
-    path = store.root / file_name
+    path = store.file_path(file_name)
     expected = store.manifest.files[file_name].size
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -53,9 +53,10 @@ def config_dtype(config) -> torch.dtype:
 def _check_files(store: Store) -> None:
     """A deleted part file would otherwise surface only when its block is first needed."""
     for name in store.manifest.files:
-        if not (store.root / name).is_file():
+        path = store.file_path(name)
+        if not path.is_file():
             raise StoreIncomplete(
-                f"{store.root / name} is missing; re-run the `shardstream convert` that made this store to repair it."
+                f"{path} is missing; re-run the `shardstream convert` that made this store to repair it."
             )
 
 
