@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -144,6 +145,15 @@ def test_an_agent_on_a_taken_port_says_so(agents):
                           "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert f"the agent cannot listen on 127.0.0.1:{port} (Address already in use); pick another --port." in run.stderr
+    with socket.socket() as taken:   # the data port given and taken
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        data_port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                              "--host", "127.0.0.1", "--port", "0", "--data-port", str(data_port)],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"the agent cannot bind its data port {data_port}" in run.stderr and "pick another --data-port" in run.stderr
 
 
 def test_greedy_output_over_three_agents_is_token_identical(tiny, deployed):

@@ -30,6 +30,7 @@ def agent_command(
     import socket
 
     import uvicorn
+    import zmq
 
     from ..atomic import write_json_atomic
     from .agent import Agent, create_agent_app
@@ -44,8 +45,13 @@ def agent_command(
         listener.bind((host, port))
     except OSError as error:
         raise InvalidOption(f"the agent cannot listen on {host}:{port} ({error.strerror}); pick another --port.") from None
+    if data_port is None:   # --port 0 asks for free ports: the data port too, not the bound port + 1
+        data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
-    agent = Agent(name, token, cache_dir, (port + 1 if port else 0) if data_port is None else data_port)
+    try:
+        agent = Agent(name, token, cache_dir, data_port)
+    except zmq.ZMQError as error:
+        raise InvalidOption(f"the agent cannot bind its data port {data_port} ({error}); pick another --data-port.") from None
     announcer = None
     try:
         if advertise:
