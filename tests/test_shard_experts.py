@@ -48,13 +48,18 @@ print("done", flush=True)
 RELOCATE_SCRIPT = """
 import sys
 import shardstream
-from shardstream.shard import relocate
-root, layer, expert, tier, stop = sys.argv[1:]
+from shardstream.shard import relocate, relocate_part
+root, what, tier, stop = sys.argv[1:]
 def on_step(step):
     print(step, flush=True)
     if step == stop:
         sys.stdin.readline()   # hold here until the test kills us
-relocate(shardstream.open_store(root), int(layer), int(expert), tier, on_step)
+store = shardstream.open_store(root)
+if ":" in what:
+    layer, expert = map(int, what.split(":"))
+    relocate(store, layer, expert, tier, on_step)
+else:
+    relocate_part(store, what, tier, on_step)
 """
 
 
@@ -183,11 +188,10 @@ def test_relocate_moves_the_file(placed, original, tmp_path):
         relocate(store, 0, 3, "tape")
 
 
-@pytest.mark.parametrize("stop", RELOCATION_STEPS)
-def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, original, tmp_path, stop):
-    store, _ = placed
-    before = load_index(store).experts["1:2"].tier
-    proc = subprocess.Popen([sys.executable, "-c", RELOCATE_SCRIPT, str(store.root), "1", "2", "hot", stop],
+def kill_relocation_at(root, what: str, tier: str, stop: str) -> list[str]:
+    """Relocate an expert ("<layer>:<expert>") or a part in a real subprocess, SIGKILL it right
+    after step `stop`; the steps it reported."""
+    proc = subprocess.Popen([sys.executable, "-c", RELOCATE_SCRIPT, str(root), what, tier, stop],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     steps = []
     while not steps or steps[-1] != stop:
@@ -196,6 +200,14 @@ def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, origi
         steps.append(line.strip())
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
+    return steps
+
+
+@pytest.mark.parametrize("stop", RELOCATION_STEPS)
+def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, original, tmp_path, stop):
+    store, _ = placed
+    before = load_index(store).experts["1:2"].tier
+    steps = kill_relocation_at(store.root, "1:2", "hot", stop)
     assert steps == list(RELOCATION_STEPS[: RELOCATION_STEPS.index(stop) + 1])
 
     store = shardstream.open_store(store.root)

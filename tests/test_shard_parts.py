@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,19 +18,8 @@ from shardstream.store import verify_store
 from shardstream.store.remote import open_remote_store
 from shardstream.stream import StreamingModel
 from test_cli_convert import run_cli
+from test_shard_experts import assert_same_parts, kill_relocation_at
 from tiny_models import save_checkpoint
-
-RELOCATE_SCRIPT = """
-import sys
-import shardstream
-from shardstream.shard import relocate_part
-root, part, tier, stop = sys.argv[1:]
-def on_step(step):
-    print(step, flush=True)
-    if step == stop:
-        sys.stdin.readline()   # hold here until the test kills us
-relocate_part(shardstream.open_store(root), part, tier, on_step)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +42,6 @@ def store(converted, tmp_path):
     return store
 
 
-def assert_same_parts(store, original) -> None:
-    for part in original.parts:
-        got, want = store.load(part, verify=True), original.load(part)
-        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), part
-
-
 def test_a_part_moves_and_every_reader_follows(store, converted, tmp_path):
     original, reference = converted
     assert relocate_part(store, "mid/1", "cold") == "cold"
@@ -82,15 +62,7 @@ def test_a_part_moves_and_every_reader_follows(store, converted, tmp_path):
 
 @pytest.mark.parametrize("stop", RELOCATION_STEPS)
 def test_sigkill_at_each_step_leaves_a_store_that_loads(store, converted, tmp_path, stop):
-    proc = subprocess.Popen([sys.executable, "-c", RELOCATE_SCRIPT, str(store.root), "mid/2", "cold", stop],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    steps = []
-    while not steps or steps[-1] != stop:
-        line = proc.stdout.readline()
-        assert line, f"relocation exited before step {stop!r} (steps seen: {steps})"
-        steps.append(line.strip())
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
+    kill_relocation_at(store.root, "mid/2", "cold", stop)
 
     store = shardstream.open_store(store.root)
     assert load_index(store).parts.get("mid/2") == (None if stop in ("copy", "verify") else "cold")

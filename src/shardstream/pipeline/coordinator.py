@@ -158,9 +158,8 @@ class Coordinator:
         """Set a lost agent aside and deploy a new plan on the ones left, or say why that cannot
         work. The lost agent is tried again by `readmit` once `readmit_after_s` have passed."""
         log.warning("agent %s was lost; re-planning on the others", lost)
-        client = self.agents.pop(lost, None)
-        if client is not None:
-            self.lost[lost] = (client, time.monotonic() + self.options.readmit_after_s)
+        if lost in self.agents:
+            self._set_aside(lost, self.agents.pop(lost))
         if not self.agents:
             raise PlanInfeasible(f"agent {lost} was lost and no agents are left; start agents and retry.")
         try:
@@ -181,7 +180,7 @@ class Coordinator:
                 self.agents[name] = self.lost.pop(name)[0]
                 back.append(name)
             else:
-                self.lost[name] = (client, now + self.options.readmit_after_s)
+                self._set_aside(name, client)
         if not back:
             return None
         log.warning("agent(s) %s answer again; re-planning with them", ", ".join(back))
@@ -191,8 +190,12 @@ class Coordinator:
         except (ShardstreamError, httpx.HTTPError) as error:   # gone again: back to the plan without them
             log.warning("re-admitting %s failed (%s); keeping the plan without them", ", ".join(back), error)
             for name in back:
-                self.lost[name] = (self.agents.pop(name), time.monotonic() + self.options.readmit_after_s)
+                self._set_aside(name, self.agents.pop(name))
             return self.deploy(list(self.agents))
+
+    def _set_aside(self, name: str, client: AgentClient) -> None:
+        """Keep a lost agent's client, to be tried again after `readmit_after_s`."""
+        self.lost[name] = (client, time.monotonic() + self.options.readmit_after_s)
 
     def close(self) -> None:
         for agent in [*self.agents.values(), *(client for client, _ in self.lost.values())]:

@@ -1,9 +1,9 @@
 """Tensor-parallel slices and expert placement by tier, recorded in `<store>/sharding.json`."""
 
 from ..store.sharding import INDEX_NAME, Expert, load_expert, load_index, load_tp
-from .experts import (RELOCATION_STEPS, define_tiers, parse_expert_key, parse_tiers, place_experts, relocate,
-                      verify_experts_and_slices)
+from .experts import parse_expert_key, place_experts, relocate, verify_experts_and_slices
 from .parts import relocate_part
+from .tiers import RELOCATION_STEPS, define_tiers, parse_tiers
 from .tp import export_tp, split_dim
 
 __all__ = [

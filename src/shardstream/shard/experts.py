@@ -25,28 +25,15 @@ from pathlib import Path
 
 from ..errors import InvalidOption
 from ..naming import Part
-from ..atomic import discard_temp_files, write_bytes_atomic
+from ..atomic import discard_temp_files
 from ..store.checksum import checksum_file
-from ..store.manifest import FileRecord, PartRecord, TensorRecord, check_relative
+from ..store.manifest import FileRecord, PartRecord, TensorRecord
 from ..store.partfile import encode_stored
 from ..store.reader import Store
-from ..store.sharding import (INDEX_NAME, Expert, ExpertRecord, ShardIndex, checked, expert_record, load_index,
-                              read_path, tier_root)
+from ..store.sharding import Expert, ExpertRecord, ShardIndex, expert_record, load_index, tier_root
 from ..store.verify import Problem
 from ..store.writer import write_encoded
-
-RELOCATION_STEPS = ("copy", "verify", "index", "remove")
-
-
-def parse_tiers(spec: str) -> dict[str, str]:
-    """`hot=/nvme,warm=/ssd` -> {"hot": "/nvme", "warm": "/ssd"}, order kept (fastest first)."""
-    tiers = {}
-    for item in spec.split(","):
-        name, sep, root = item.partition("=")
-        if not sep or not re.fullmatch(r"[a-z0-9_]+", name) or not root or name in tiers:
-            raise InvalidOption(f"--tiers entry {item!r} is not valid; write name=folder pairs like hot=/nvme,cold=/hdd.")
-        tiers[name] = root
-    return tiers
+from .tiers import check_tier, copy_verified, define_tiers
 
 
 def parse_expert_key(text: str) -> tuple[int, int]:
@@ -62,19 +49,6 @@ WITHOUT_EXPERTS = "weights-without-experts.safetensors"
 
 def expert_file(tier: str, group: int, expert: int) -> str:
     return f"experts/tier_{tier}/group_{group}/expert_{expert}.safetensors"
-
-
-def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None:
-    """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root."""
-    for name, root in tiers.items():
-        if not Path(root).is_absolute():
-            check_relative(root, "--tiers")
-        if index.tiers.get(name, {"root": root})["root"] != root:
-            raise InvalidOption(
-                f"tier {name!r} already has root {index.tiers[name]['root']} in {store.root}/{INDEX_NAME}; "
-                "keep that root or relocate its experts and parts first."
-            )
-    index.tiers.update({name: {"root": root, "hint": i} for i, (name, root) in enumerate(tiers.items())})
 
 
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
@@ -109,7 +83,7 @@ def _place(store: Store, index: ShardIndex, layer: int, expert: int, names: list
     key = f"{layer}:{expert}"
     old = index.experts.get(key)
     if old is not None:   # its tier file is the copy to keep (the part's may already be gone)
-        data = checked(Expert(store, index, old).raw(), index.files[old.file], str(tier_root(store, index, old.tier) / old.file))
+        data = Expert(store, index, old).contents(verify=True)
         stored = {n: (data, r) for n, r in old.tensors.items()}
     else:
         manifest = store.manifest
@@ -176,18 +150,11 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
     `on_step(name)` is called after each of RELOCATION_STEPS (progress, and the crash tests)."""
     index = load_index(store, for_update=True)
     record = expert_record(store, index, layer, expert)
-    if tier not in index.tiers:
-        raise InvalidOption(f"{store.root}/{INDEX_NAME} has no tier {tier!r} (it has {', '.join(index.tiers)}); pick one of those.")
+    check_tier(store, index, tier)
     if record.tier != tier:
-        file_record = index.files[record.file]
-        data = checked(Expert(store, index, record).raw(), file_record, str(tier_root(store, index, record.tier) / record.file))
         new_file = expert_file(tier, layer, expert)
-        dest = tier_root(store, index, tier) / new_file
-        write_bytes_atomic(dest, data)
-        on_step("copy")
-        if checksum_file(dest) != file_record.xxh3_128:
-            raise OSError(f"{dest} reads back different from what was written; check that disk and re-run.")
-        on_step("verify")
+        copy_verified([(tier_root(store, index, record.tier) / record.file, tier_root(store, index, tier) / new_file,
+                        index.files[record.file])], on_step)
         index.files[new_file] = index.files.pop(record.file)
         record.tier, record.file, record.hint = tier, new_file, index.tiers[tier]["hint"]
         index.save(store)

@@ -11,34 +11,21 @@ same `relocate` finishes the move.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-from ..atomic import discard_temp_files, write_bytes_atomic
-from ..errors import InvalidOption
-from ..store.checksum import checksum_file
+from ..atomic import discard_temp_files
 from ..store.reader import Store
-from ..store.sharding import INDEX_NAME, checked, load_index, read_path, tier_root
+from ..store.sharding import load_index, tier_root
+from .tiers import check_tier, copy_verified
 
 
 def relocate_part(store: Store, part: str, tier: str, on_step: Callable[[str], None] = lambda step: None) -> str:
     """Move every file of `part` to `tier` (see module doc); returns the tier it is on."""
     files = store.part_files(part)
     index = load_index(store, for_update=True)
-    if tier not in index.tiers:
-        known = ", ".join(index.tiers) or "none yet"
-        raise InvalidOption(f"{store.root}/{INDEX_NAME} has no tier {tier!r} (it has {known}); define tiers with "
-                            "`shardstream shard STORE --tiers name=folder,...` first.")
+    check_tier(store, index, tier)
     target = {name: tier_root(store, index, tier) / name for name in files}
     if index.parts.get(part) != tier:
-        for name in files:
-            source = store.file_path(name)
-            if source != target[name]:
-                write_bytes_atomic(target[name], checked(read_path(source), store.manifest.files[name], str(source)))
-        on_step("copy")
-        for name in files:
-            if checksum_file(target[name]) != store.manifest.files[name].xxh3_128:
-                raise OSError(f"{target[name]} reads back different from what was written; check that disk and re-run.")
-        on_step("verify")
+        copy_verified([(store.file_path(name), target[name], store.manifest.files[name]) for name in files], on_step)
         index.parts[part] = tier
         index.save(store)
         on_step("index")

@@ -6,7 +6,7 @@ import mmap
 import os
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
@@ -14,7 +14,7 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
 from .manifest import Manifest, TensorRecord, load_manifest
 from .partfile import decode_tensor
-from .sharding import Expert, load_expert, load_index, load_tp, placed_in, read_path, tier_root
+from .sharding import Expert, ShardIndex, load_expert, load_index, load_tp, placed_in, read_path, tier_root
 
 
 class Store:
@@ -49,15 +49,13 @@ class Store:
 
     def tensor_names(self, part: str) -> list[str]:
         """Names a load of this part returns, tied aliases and experts stored apart included."""
-        own = self._part(part).tensors
-        tied = [n for n, a in self.manifest.aliases.items() if a["part"] == part]
         placed = [n for r in self._placed(part) for n in r.tensors]
-        return sorted(set(own + tied + placed))
+        return sorted(set(self._part(part).tensors + self._tied(part) + placed))
 
     def tensor_shapes(self, part: str) -> dict[str, list[int]]:
         """The shape of each tensor a load of `part` returns (as loaded, i.e. dequantized), reading none."""
         records = {n: asdict(self.manifest.tensors[self.manifest.aliases.get(n, {}).get("target", n)])
-                   for n in self._part(part).tensors + [n for n, a in self.manifest.aliases.items() if a["part"] == part]}
+                   for n in self._part(part).tensors + self._tied(part)}
         records.update({n: r for expert in self._placed(part) for n, r in expert.tensors.items()})
         return {n: (r.get("quant") or {}).get("shape") or r["shape"] for n, r in records.items()}
 
@@ -71,12 +69,17 @@ class Store:
     def file_path(self, name: str) -> Path:
         """Where a manifest file is: under the store root, or under the root of the tier its part
         was relocated to (`shardstream relocate --part`); a file lives in its part's folder."""
-        part = str(PurePosixPath(name).parent)
-        if self.manifest.sharding:
-            index = load_index(self)
-            if part in index.parts:
-                return tier_root(self, index, index.parts[part]) / name
-        return self.root / name
+        placed = self._part_tier(name)
+        return self.root / name if placed is None else tier_root(self, *placed) / name
+
+    def _part_tier(self, name: str) -> tuple[ShardIndex, str] | None:
+        """(index, tier) of the relocated part holding manifest file `name` (it sits in its part's
+        folder); None when that part is under the store root."""
+        if not self.manifest.sharding:
+            return None
+        index = load_index(self)
+        tier = index.parts.get(name.rpartition("/")[0])
+        return None if tier is None else (index, tier)
 
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         """Bytes of any file under the store root, unchecked (callers check against their index)."""
@@ -179,13 +182,18 @@ class Store:
         for alias, info in self.manifest.aliases.items():
             if info["part"] == part:
                 tensors[alias] = self.load_tensor(info["target"])
-        if experts and self._placed(part):
+        placed = self._placed(part) if experts else []
+        if placed:
             index = load_index(self)
-            for record in self._placed(part):
+            for record in placed:
                 tensors.update(Expert(self, index, record).read(verify or self.remote))
         if torch.device(device).type != "cpu":
             tensors = {n: t.to(device, non_blocking=True) for n, t in tensors.items()}
         return tensors
+
+    def _tied(self, part: str) -> list[str]:
+        """Names a load of `part` returns that alias a tensor stored elsewhere (a tied head)."""
+        return [n for n, a in self.manifest.aliases.items() if a["part"] == part]
 
     def _placed(self, part: str):
         kind, _, layer = part.partition("/")

@@ -15,7 +15,6 @@ from ..errors import InvalidOption, SourceUnreachable, StoreCorrupt, StoreIncomp
 from .checksum import checksum_bytes
 from .manifest import MANIFEST_NAME, Manifest, TensorRecord, json_object
 from .reader import Store
-from .sharding import load_index
 
 
 class RemoteStore(Store):
@@ -35,15 +34,14 @@ class RemoteStore(Store):
     def file_path(self, name: str) -> str:
         """A manifest file's path below the URL: relocated parts are under their tier's folder,
         which must then be inside the store."""
-        part = name.rpartition("/")[0]
-        index = load_index(self) if self.manifest.sharding else None
-        tier = index.parts.get(part) if index else None
-        if tier is None:
+        placed = self._part_tier(name)
+        if placed is None:
             return name
+        index, tier = placed
         root = index.tiers[tier]["root"]
         if PurePosixPath(root).is_absolute():
-            raise InvalidOption(f"part {part} is on tier {tier!r} at {root}, outside the store; relocate it to a "
-                                "tier inside the store to serve it over HTTP.")
+            raise InvalidOption(f"part {name.rpartition('/')[0]} is on tier {tier!r} at {root}, outside the store; "
+                                "relocate it to a tier inside the store to serve it over HTTP.")
         return str(PurePosixPath(root) / name)
 
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:

@@ -167,17 +167,23 @@ class Expert:
 
     def read(self, verify: bool) -> dict[str, torch.Tensor]:
         """The expert's tensors (dequantized) from a fresh read; checked against the index when `verify`."""
-        data = self.raw()
-        if verify:
-            checked(data, self.index.files[self.record.file], self.where())
-        elif len(data) != self.index.files[self.record.file].size:
-            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {self.index.files[self.record.file].size} "
-                               "its index says; run `shardstream verify --parts experts`.")
+        data = self.contents(verify)
         return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r))
                 for n, r in self.record.tensors.items()}
 
     def where(self) -> str:
         return str(PurePosixPath(self.index.tiers[self.record.tier]["root"]) / self.record.file)
+
+    def contents(self, verify: bool) -> bytearray:
+        """The file's bytes, checked against the index when `verify` (else only their length)."""
+        data = self.raw()
+        expected = self.index.files[self.record.file]
+        if verify:
+            checked(data, expected, self.where())
+        elif len(data) != expected.size:
+            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {expected.size} its index says; "
+                               "run `shardstream verify --parts experts`.")
+        return data
 
     def raw(self) -> bytearray:
         """The file's bytes, unchecked."""

@@ -1,0 +1,66 @@
+"""Storage tiers: defining them, and the copy-and-verify half of moving files between them.
+
+Experts (`experts.relocate`) and whole parts (`parts.relocate_part`) move the same way, in
+RELOCATION_STEPS: copy (the source checked against its record) -> verify (re-hash the copy) ->
+index (switch `sharding.json` atomically) -> remove (the other copies). The first two live here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from ..atomic import write_bytes_atomic
+from ..errors import InvalidOption
+from ..store.checksum import checksum_file
+from ..store.manifest import FileRecord, check_relative
+from ..store.reader import Store
+from ..store.sharding import INDEX_NAME, ShardIndex, checked, read_path
+
+RELOCATION_STEPS = ("copy", "verify", "index", "remove")
+
+
+def parse_tiers(spec: str) -> dict[str, str]:
+    """`hot=/nvme,warm=/ssd` -> {"hot": "/nvme", "warm": "/ssd"}, order kept (fastest first)."""
+    tiers = {}
+    for item in spec.split(","):
+        name, sep, root = item.partition("=")
+        if not sep or not re.fullmatch(r"[a-z0-9_]+", name) or not root or name in tiers:
+            raise InvalidOption(f"--tiers entry {item!r} is not valid; write name=folder pairs like hot=/nvme,cold=/hdd.")
+        tiers[name] = root
+    return tiers
+
+
+def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None:
+    """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root."""
+    for name, root in tiers.items():
+        if not Path(root).is_absolute():
+            check_relative(root, "--tiers")
+        if index.tiers.get(name, {"root": root})["root"] != root:
+            raise InvalidOption(
+                f"tier {name!r} already has root {index.tiers[name]['root']} in {store.root}/{INDEX_NAME}; "
+                "keep that root or relocate its experts and parts first."
+            )
+    index.tiers.update({name: {"root": root, "hint": i} for i, (name, root) in enumerate(tiers.items())})
+
+
+def check_tier(store: Store, index: ShardIndex, tier: str) -> None:
+    """Refuse a relocation target the index does not define."""
+    if tier not in index.tiers:
+        known = ", ".join(index.tiers) or "none yet"
+        raise InvalidOption(f"{store.root}/{INDEX_NAME} has no tier {tier!r} (it has {known}); define tiers with "
+                            "`shardstream shard STORE --tiers name=folder,...` first.")
+
+
+def copy_verified(moves: list[tuple[Path, Path, FileRecord]], on_step: Callable[[str], None]) -> None:
+    """Steps "copy" and "verify" for (source, destination, record) files: each source is checked
+    before it is copied (atomically), each copy re-hashed after. A file already in place is kept."""
+    for source, dest, record in moves:
+        if source != dest:
+            write_bytes_atomic(dest, checked(read_path(source), record, str(source)))
+    on_step("copy")
+    for _, dest, record in moves:
+        if checksum_file(dest) != record.xxh3_128:
+            raise OSError(f"{dest} reads back different from what was written; check that disk and re-run.")
+    on_step("verify")
