@@ -189,23 +189,32 @@ class ChunkTracker:
 
     def epoch_status(self) -> EpochStatus:
         with self._tx(write=False) as cur:
-            epoch, total = self._one(cur, "SELECT current_epoch, total_blocks FROM shardstream_tracker WHERE id = 1")
-            registered, open_chunks = self._one(cur, """
-                SELECT COUNT(DISTINCT block), COALESCE(SUM(CASE WHEN state <> 'done' THEN 1 ELSE 0 END), 0)
-                FROM shardstream_chunks WHERE epoch = ?""", (epoch,))
-        return EpochStatus(epoch, registered, total, open_chunks)
+            return self._status(cur)
+
+    def _status(self, cur: Any) -> EpochStatus:
+        """The current epoch's status in ONE statement, so one snapshot: read apart (PostgreSQL's
+        READ COMMITTED snapshots each statement), a worker could see `total_blocks` still unknown
+        but the last block already registered, and go looking for a block after the last."""
+        return EpochStatus(*self._one(cur, """
+            SELECT t.current_epoch, COUNT(DISTINCT c.block), t.total_blocks,
+                   COALESCE(SUM(CASE WHEN c.state <> 'done' THEN 1 ELSE 0 END), 0)
+            FROM shardstream_tracker t LEFT JOIN shardstream_chunks c ON c.epoch = t.current_epoch
+            WHERE t.id = 1 GROUP BY t.current_epoch, t.total_blocks"""))
 
     def advance_epoch(self, from_epoch: int) -> None:
         """Start epoch `from_epoch + 1` with every chunk pending; a no-op if someone already did."""
         with self._tx() as cur:
-            epoch, total = self._one(cur, "SELECT current_epoch, total_blocks FROM shardstream_tracker WHERE id = 1")
-            registered, open_chunks = self._one(cur, "SELECT COUNT(DISTINCT block), COALESCE(SUM(CASE WHEN state <> 'done' "
-                                                     "THEN 1 ELSE 0 END), 0) FROM shardstream_chunks WHERE epoch = ?", (epoch,))
-            if not EpochStatus(epoch, registered, total, open_chunks).complete or epoch != from_epoch:
+            status = self._status(cur)
+            epoch = status.epoch
+            if not status.complete or epoch != from_epoch:
                 return
+            # Two workers may both see the epoch complete (PostgreSQL READ COMMITTED): the second's
+            # statements then wait for the first's commit and change nothing.
             cur.execute(self._q("INSERT INTO shardstream_chunks (epoch, block, chunk) SELECT ?, block, chunk "
-                                "FROM shardstream_chunks WHERE epoch = ?"), (epoch + 1, epoch))
-            cur.execute(self._q("UPDATE shardstream_tracker SET current_epoch = ? WHERE id = 1"), (epoch + 1,))
+                                "FROM shardstream_chunks WHERE epoch = ? ON CONFLICT (epoch, block, chunk) DO NOTHING"),
+                        (epoch + 1, epoch))
+            cur.execute(self._q("UPDATE shardstream_tracker SET current_epoch = ? WHERE id = 1 AND current_epoch = ?"),
+                        (epoch + 1, epoch))
 
     # -- inspection, export, import ----------------------------------------------------------
 
