@@ -13,7 +13,7 @@ import uvicorn
 
 from shardstream.errors import InvalidOption
 from shardstream.stream import AutoModel
-from shardstream.stream.cli import generate_command
+from shardstream.stream.generate_cli import generate_command
 from shardstream.stream.server import _StopFilter, create_app
 from shardstream.stream.text import load_tokenizer
 from tiny_models import llama_store_with_tokenizer
