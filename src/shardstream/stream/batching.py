@@ -1,7 +1,6 @@
 """Continuous batching over one streaming model: every block read serves every running sequence.
 
-INTERFACE CONTRACT (the server, offline batches and the tests code against this; the engine
-helper fills in the bodies and may add private helpers, but keeps these names and meanings):
+The server, offline batches and benchmarks use this interface:
 
     engine = BatchEngine(model, eos_token_ids={2}, pad_token_id=0, max_batch_size=32)
     seq = engine.submit(prompt_ids, SamplingParams(max_new_tokens=16, temperature=0.0))
@@ -10,13 +9,32 @@ helper fills in the bodies and may add private helpers, but keeps these names an
     seq.cancel()                 # from any thread: leaves the batch at the next step
     engine.close()
 
-A sequence's greedy tokens equal the tokens it gets alone (`model.generate`, greedy).
-"""
+A sequence's greedy tokens equal the tokens it gets alone (`model.generate`, greedy). All running
+sequences are rows of one left-padded batch with one transformers DynamicCache; newcomers are
+prefilled together in chunks between decode steps, then their cache rows are merged in (why: the
+"Continuous batching" part of docs/ARCHITECTURE.md; how: docs/STREAMING.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import InvalidOption
+from ..sizes import parse_size
+from .model import check_context
+from .residency import available_memory
+
+log = logging.getLogger("shardstream.batching")
+
+NO_TOKEN = -1          # the token of a cancelled sequence's last event: no token was generated
+KV_AUTO_SHARE = 0.5    # kv_cache_budget="auto": this share of the memory available when the engine starts
 
 
 @dataclass(frozen=True)
@@ -49,31 +67,403 @@ class TokenEvent:
 
 
 class Sequence:
-    """One submitted request. Iterate it (from one consumer thread) for its TokenEvents."""
+    """One submitted request. Iterate it (from one consumer thread) for its TokenEvents.
+
+    A cancelled sequence's last event carries no new token: its `token` is NO_TOKEN (skip it).
+    """
 
     prompt_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None   # filled after prefill when asked (first is None)
 
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator,
+                 wake: Callable[[], None]):
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.prompt_tokens = len(self.prompt_ids)
+        self.prompt_logprobs = None
+        self.generated: list[int] = []
+        self.done = False
+        self.cancel_reason: str | None = None
+        self.generator = generator
+        self._wake = wake
+        self._events: queue.Queue = queue.Queue()
+        self._ended = False
+
     def __iter__(self) -> Iterator[TokenEvent]:
-        raise NotImplementedError
+        while not self._ended:
+            item = self._events.get()
+            if item is _END:
+                self._ended = True
+            elif isinstance(item, BaseException):
+                self._ended = True
+                raise item
+            else:
+                yield item
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Leave the batch at the next step (a disconnect, or a stop string the caller found);
         the iterator ends with a last event whose finish_reason is `reason`."""
-        raise NotImplementedError
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+            self._wake()
+
+    # -- engine side (engine thread only) ----------------------------------------------------
+
+    def emit(self, event: TokenEvent) -> None:
+        self._events.put(event)
+        if event.finish_reason is not None:
+            self.done = True
+            self._events.put(_END)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self._events.put(error)
+
+
+_END = object()
+
+
+def _logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
+    alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, logprobs[token].item(), alternatives)
+
+
+def _choose(sequence: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    """One token for one sequence from its raw logits row, with its own sampling parameters."""
+    params = sequence.params
+    raw = logits.float()
+    scores = raw
+    if (params.presence_penalty or params.frequency_penalty) and sequence.generated:
+        counts = torch.bincount(torch.tensor(sequence.generated, device=raw.device), minlength=raw.shape[-1])
+        counts = counts[: raw.shape[-1]].to(raw.dtype)
+        scores = scores - counts * params.frequency_penalty - (counts > 0).to(raw.dtype) * params.presence_penalty
+    if params.temperature == 0:
+        token = int(torch.argmax(scores))
+    else:
+        scores = scores / params.temperature
+        if params.top_k:
+            kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(ordered, -1)
+            outside = torch.cumsum(probs, -1) - probs > params.top_p  # the first token always stays
+            scores = scores.index_fill(0, order[outside], float("-inf"))
+        token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=sequence.generator))
+    if params.logprobs is None:
+        return token, None
+    return token, _logprob(torch.log_softmax(raw, -1), token, params.logprobs)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """position_ids that follow left padding (as generate() derives them): real tokens count from 0."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def _pad_left(tensor: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+    if count == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = count
+    return torch.cat([tensor.new_zeros(shape), tensor], dim)
+
+
+def _layers(cache: DynamicCache) -> list:
+    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
+
+
+def _merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor) -> torch.Tensor:
+    """Append `other`'s rows to `cache` (in place), left-padding the shorter one; returns the merged mask."""
+    length, other_length = mask.shape[1], other_mask.shape[1]
+    total = max(length, other_length)
+    for mine, theirs in zip(_layers(cache), _layers(other), strict=True):
+        mine.keys = torch.cat([_pad_left(mine.keys, total - length, -2),
+                               _pad_left(theirs.keys, total - other_length, -2)])
+        mine.values = torch.cat([_pad_left(mine.values, total - length, -2),
+                                 _pad_left(theirs.values, total - other_length, -2)])
+    return torch.cat([_pad_left(mask, total - length, 1), _pad_left(other_mask, total - other_length, 1)])
+
+
+def _select(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Keep only `rows` (in place), then drop the leading columns that are padding in every row."""
+    index = torch.tensor(rows, device=mask.device)
+    mask = mask[index]
+    leading = int(torch.cumprod((mask.sum(0) == 0).int(), 0).sum()) if rows else 0
+    for layer in _layers(cache):
+        layer.keys = layer.keys[index, :, leading:]
+        layer.values = layer.values[index, :, leading:]
+    return mask[:, leading:]
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """An estimate of one token's keys and values over all layers (corrected from the real cache later)."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = 1 if getattr(text, "multi_query", False) else (
+        getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def resolve_kv_budget(budget: int | str | None) -> int | None:
+    """Bytes the running batch's KV cache may take: None = no bound; 'auto' = KV_AUTO_SHARE of free memory."""
+    if budget is None:
+        return None
+    if budget == "auto":
+        return int(available_memory()[0] * KV_AUTO_SHARE)
+    value = parse_size(budget, "kv_cache_budget") if isinstance(budget, str) else budget
+    if value <= 0:
+        raise InvalidOption(f"kv_cache_budget must be positive, 'auto' or None, not {budget!r}.")
+    return value
+
+
+@dataclass
+class _Prefill:
+    """Newcomers being prefilled together, a chunk of columns per pass, before they join the batch."""
+
+    sequences: list[Sequence]
+    ids: torch.Tensor            # (rows, longest prompt), left-padded
+    mask: torch.Tensor
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    done_columns: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)   # kept only when prompt_logprobs is asked
 
 
 class BatchEngine:
-    """A background thread that steps all running sequences together, admitting new ones between steps."""
+    """A background thread that steps all running sequences together, admitting new ones between steps.
+
+    Each loop turn runs at most two passes over the blocks: one chunk (at most `prefill_chunk_tokens`
+    tokens) of the newcomers' prefill, then one decode step for every running sequence. Counters for
+    benchmarks: `forward_passes` (passes over the blocks = weight reads) and `tokens_generated`.
+    """
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
-                 kv_cache_budget: int | str | None = "auto"):
-        raise NotImplementedError
+                 kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512):
+        if max_batch_size < 1:
+            raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
+        if prefill_chunk_tokens < 1:
+            raise InvalidOption(f"prefill_chunk_tokens must be at least 1, not {prefill_chunk_tokens}.")
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
+        self.device = torch.device(getattr(model, "device", "cpu"))
+        dtype = getattr(model, "dtype", None) or model.model.dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)
+        self.forward_passes = 0
+        self.tokens_generated = 0
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._prefill: _Prefill | None = None
+        self._limit: str | None = None
+        self._closed = False
+        self._condition = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="shardstream-batch", daemon=True)
+        self._thread.start()
+
+    # -- public ------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Thread-safe. Raises InvalidOption for an empty prompt or one beyond the model's context."""
-        raise NotImplementedError
+        if not prompt_ids:
+            raise InvalidOption("the prompt is empty; give at least one token.")
+        if params.max_new_tokens < 1:
+            raise InvalidOption(f"max_new_tokens must be at least 1, not {params.max_new_tokens}.")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or (params.logprobs or 0) < 0:
+            raise InvalidOption(f"sampling parameters out of range ({params}); use temperature >= 0, "
+                                "0 < top_p <= 1, top_k >= 0 and logprobs >= 0.")
+        vocabulary = self.model.config.get_text_config().vocab_size
+        outside = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocabulary]
+        if outside:
+            raise InvalidOption(f"prompt token {outside[0]!r} is not an id of the model's vocabulary "
+                                f"(0 to {vocabulary - 1}); tokenize with the model's tokenizer.")
+        check_context(self.model.config, len(prompt_ids), params.max_new_tokens)
+        generator = torch.Generator(self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        sequence = Sequence(prompt_ids, params, generator, self._notify)
+        with self._condition:
+            if self._closed:
+                raise InvalidOption("the batch engine is closed; submit to an open one.")
+            self._waiting.append(sequence)
+            self._condition.notify()
+        return sequence
 
     def close(self) -> None:
         """Finish (cancel) every sequence and stop the thread."""
-        raise NotImplementedError
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+        self._thread.join()
+        for sequence in [*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])]:
+            if not sequence.done:
+                sequence.emit(TokenEvent(NO_TOKEN, None, "cancelled"))
+        self._waiting.clear()
+        self._running, self._prefill, self._cache, self._mask = [], None, None, None
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._condition:
+            self._condition.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while not (self._closed or self._waiting or self._running or self._prefill):
+                    self._condition.wait()
+                if self._closed:
+                    return
+            self._drop_cancelled()
+            if self._prefill is None:
+                self._prefill = self._admit()
+            if self._prefill is not None:
+                self._guarded(self._prefill_step, self._prefill.sequences)
+            if self._running:
+                self._guarded(self._decode_step, self._running)
+
+    def _guarded(self, step: Callable[[], None], sequences: list[Sequence]) -> None:
+        """A failing step fails the sequences it was serving (their iterators raise) and the rest goes on."""
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - reported to each affected consumer
+            log.exception("a batch step failed; failing %d sequence(s)", len(sequences))
+            for sequence in list(sequences):
+                sequence.fail(error)
+            if sequences is self._running:
+                self._running, self._cache, self._mask = [], None, None
+            else:
+                self._prefill = None
+
+    def _drop_cancelled(self) -> None:
+        with self._condition:
+            for sequence in [s for s in self._waiting if s.cancel_reason]:
+                self._waiting.remove(sequence)
+                sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
+        if self._prefill:
+            for sequence in self._prefill.sequences:
+                if sequence.cancel_reason and not sequence.done:
+                    sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
+        for sequence in self._running:
+            if sequence.cancel_reason and not sequence.done:
+                sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
+        self._keep_unfinished()
+
+    def _footprint(self, sequences: list[Sequence]) -> int:
+        """Worst-case KV bytes of a left-padded batch: rows x its longest prompt + new tokens."""
+        longest = max(s.prompt_tokens + s.params.max_new_tokens for s in sequences)
+        return len(sequences) * longest * self.kv_bytes_per_token
+
+    def _admit(self) -> _Prefill | None:
+        """Take waiting sequences while the batch size and the KV-cache budget allow; say which bound bit."""
+        group: list[Sequence] = []
+        limit = None
+        with self._condition:
+            while self._waiting:
+                if len(self._running) + len(group) >= self.max_batch_size:
+                    limit = f"max_batch_size={self.max_batch_size}"
+                    break
+                candidate = [*self._running, *group, self._waiting[0]]
+                if (self.kv_cache_budget is not None and self._footprint(candidate) > self.kv_cache_budget
+                        and len(candidate) > 1):
+                    limit = f"the KV-cache budget of {self.kv_cache_budget} bytes"
+                    break
+                group.append(self._waiting.popleft())
+            waiting = len(self._waiting)
+        if limit != self._limit and limit is not None:
+            log.info("batch limited by %s: %d running, %d admitted, %d waiting",
+                     limit, len(self._running), len(group), waiting)
+        self._limit = limit
+        if not group:
+            return None
+        longest = max(s.prompt_tokens for s in group)
+        ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(group), longest), dtype=torch.long)
+        for row, sequence in enumerate(group):
+            ids[row, longest - sequence.prompt_tokens:] = torch.tensor(sequence.prompt_ids)
+            mask[row, longest - sequence.prompt_tokens:] = 1
+        return _Prefill(group, ids.to(self.device), mask.to(self.device))
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
+        """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
+        with torch.no_grad():
+            out = self.model(ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
+                             past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        self.forward_passes += 1
+        return out.logits
+
+    def _prefill_step(self) -> None:
+        group = self._prefill
+        rows = len(group.sequences)
+        start = group.done_columns
+        end = min(group.ids.shape[1], start + max(1, self.prefill_chunk_tokens // rows))
+        echo = any(s.params.prompt_logprobs for s in group.sequences)
+        logits = self._forward(group.ids[:, start:end], group.mask[:, :end], group.cache, echo)
+        group.done_columns = end
+        if echo:
+            group.logits.append(logits)
+        if end < group.ids.shape[1]:
+            return
+        self._prefill = None
+        if echo:
+            self._prompt_logprobs(group)
+        for row, sequence in enumerate(group.sequences):
+            if not sequence.done:
+                self._advance(sequence, logits[row, -1])
+        keep = [row for row, s in enumerate(group.sequences) if not s.done]
+        if not keep:
+            return
+        mask = _select(group.cache, group.mask, keep)
+        if self._running:
+            self._mask = _merge(self._cache, self._mask, group.cache, mask)
+        else:
+            self._cache, self._mask = group.cache, mask
+        self._running.extend(group.sequences[row] for row in keep)
+        used = sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self._cache))
+        self.kv_bytes_per_token = max(1, used // self._mask.numel())
+
+    def _prompt_logprobs(self, group: _Prefill) -> None:
+        logprobs = torch.log_softmax(torch.cat(group.logits, 1).float(), -1)
+        width = group.ids.shape[1]
+        for row, sequence in enumerate(group.sequences):
+            if sequence.params.prompt_logprobs:
+                first = width - sequence.prompt_tokens
+                sequence.prompt_logprobs = [None] + [
+                    _logprob(logprobs[row, first + i - 1], sequence.prompt_ids[i], sequence.params.logprobs or 0)
+                    for i in range(1, sequence.prompt_tokens)]
+
+    def _decode_step(self) -> None:
+        ids = torch.tensor([[s.generated[-1]] for s in self._running], device=self.device)
+        mask = torch.cat([self._mask, self._mask.new_ones((len(self._running), 1))], 1)
+        logits = self._forward(ids, mask, self._cache, False)
+        self._mask = mask
+        for row, sequence in enumerate(self._running):
+            if not sequence.done:
+                self._advance(sequence, logits[row, -1])
+        self._keep_unfinished()
+
+    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> None:
+        token, logprob = _choose(sequence, logits)
+        sequence.generated.append(token)
+        self.tokens_generated += 1
+        finish = ("stop" if token in self.eos_token_ids
+                  else "length" if len(sequence.generated) >= sequence.params.max_new_tokens else None)
+        sequence.emit(TokenEvent(token, logprob, finish))
+
+    def _keep_unfinished(self) -> None:
+        keep = [row for row, s in enumerate(self._running) if not s.done]
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[row] for row in keep]
+        if keep:
+            self._mask = _select(self._cache, self._mask, keep)
+        else:
+            self._cache, self._mask = None, None

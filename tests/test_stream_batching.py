@@ -1,0 +1,234 @@
+"""Continuous batching against transformers' own model on the same weights: a sequence's greedy
+tokens in a batch (joining and leaving mid-batch) equal its tokens alone, logprobs equal log_softmax."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shardstream.convert import convert
+from shardstream.errors import InvalidOption
+from shardstream.store import open_store
+from shardstream.stream import StreamingModel
+from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+from tiny_models import save_checkpoint, tiny_config, tiny_model
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
+EOS = 2
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _alone(reference, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy generate for this prompt alone, up to and including EOS."""
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=EOS)
+    return out[0, len(prompt):].tolist()
+
+
+def _streaming(tmp: Path, family: str):
+    reference = save_checkpoint(family, tmp / "ckpt")
+    convert(tmp / "ckpt", tmp / "store", progress=False)
+    return reference, StreamingModel(open_store(tmp / "store"), max_resident_memory=0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    reference, model = _streaming(tmp_path_factory.mktemp("llama"), "llama")
+    yield reference, model
+    model.close()
+
+
+def _tokens(sequence) -> tuple[list[int], str]:
+    events = list(sequence)
+    return [e.token for e in events if e.token != NO_TOKEN], events[-1].finish_reason
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_in_a_changing_batch_equal_tokens_alone(tmp_path, family):
+    reference, model = _streaming(tmp_path, family)
+    engine = BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0, max_batch_size=8, prefill_chunk_tokens=8)
+    try:
+        specs = {"a": (_prompt(5, 1), 9), "b": (_prompt(11, 2), 4), "c": (_prompt(3, 3), 7)}
+        first = {name: engine.submit(p, SamplingParams(max_new_tokens=n)) for name, (p, n) in specs.items()}
+        early = [next(iter(first["a"])) for _ in range(2)]           # the batch is decoding now
+        late = {"d": (_prompt(14, 4), 6), "e": (_prompt(2, 5), 5)}     # join mid-batch (14 tokens: 2 chunks)
+        joined = {name: engine.submit(p, SamplingParams(max_new_tokens=n)) for name, (p, n) in late.items()}
+        leaving = engine.submit(_prompt(7, 6), SamplingParams(max_new_tokens=20))
+        got_before_cancel = [next(iter(leaving)).token for _ in range(3)]
+        leaving.cancel()
+        rest, finish = _tokens(leaving)
+        assert finish == "cancelled"
+        assert got_before_cancel + rest == _alone(reference, _prompt(7, 6), 20)[:len(got_before_cancel + rest)]
+        a_rest, _ = _tokens(first["a"])
+        assert [e.token for e in early] + a_rest == _alone(reference, *specs["a"])
+        for name, sequence in {**first, **joined}.items():
+            if name == "a":
+                continue
+            prompt, new = {**specs, **late}[name]
+            tokens, finish = _tokens(sequence)
+            want = _alone(reference, prompt, new)
+            assert tokens == want, name
+            assert finish == ("stop" if want[-1] == EOS else "length")
+    finally:
+        engine.close()
+        model.close()
+
+
+def test_sliding_window_attention_stays_exact_with_padding_and_chunks():
+    """Mistral with a 4-token window: transformers' masks apply the window over the padded batch."""
+    config = tiny_config("mistral")
+    config.sliding_window = 4
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    engine = BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=3)
+    try:
+        prompts = [_prompt(n, n) for n in (3, 9, 6)]
+        sequences = [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+        for prompt, sequence in zip(prompts, sequences):
+            assert _tokens(sequence)[0] == _alone(reference, prompt, 8)
+    finally:
+        engine.close()
+
+
+def test_one_pass_over_the_blocks_serves_the_whole_batch(llama):
+    _, model = llama
+    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=4)
+    try:
+        sequences = [engine.submit(_prompt(4 + i, i), SamplingParams(max_new_tokens=6)) for i in range(4)]
+        engine._notify()
+        for sequence in sequences:
+            assert len(_tokens(sequence)[0]) == 6
+        assert engine.tokens_generated == 24
+        # all four submitted before the thread woke or at most in two groups: 1-2 prefills + 5 decode steps
+        assert engine.forward_passes <= 2 + 5 + 5
+    finally:
+        engine.close()
+
+
+def test_logprobs_and_prompt_logprobs_equal_log_softmax_of_the_reference(llama):
+    reference, model = llama
+    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=5)
+    try:
+        prompt = _prompt(9, 7)
+        other = engine.submit(_prompt(4, 8), SamplingParams(max_new_tokens=3))   # padding beside it
+        sequence = engine.submit(prompt, SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=True))
+        events = list(sequence)
+        list(other)
+    finally:
+        engine.close()
+    ids = torch.tensor([prompt + [e.token for e in events]])
+    with torch.no_grad():
+        want = torch.log_softmax(reference(ids).logits[0].float(), -1)
+    assert sequence.prompt_logprobs[0] is None
+    for i, entry in enumerate(sequence.prompt_logprobs[1:], start=1):
+        assert entry.token == prompt[i]
+        assert abs(entry.logprob - want[i - 1, prompt[i]].item()) < 1e-4
+    for i, event in enumerate(events):
+        row = want[len(prompt) - 1 + i]
+        assert event.logprob.token == event.token
+        assert abs(event.logprob.logprob - row[event.token].item()) < 1e-4
+        assert [t for t, _ in event.logprob.top] == torch.topk(row, 3).indices.tolist()
+        assert event.logprob.top[0][1] == pytest.approx(row.max().item(), abs=1e-4)
+
+
+def test_sampling_is_per_sequence_and_repeatable_by_seed(llama):
+    _, model = llama
+    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0)
+    try:
+        prompt = _prompt(6, 9)
+        hot = SamplingParams(max_new_tokens=8, temperature=1.5, seed=7)
+        first, greedy_k, second = (engine.submit(prompt, hot),
+                                   engine.submit(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1)),
+                                   engine.submit(prompt, hot))
+        greedy = engine.submit(prompt, SamplingParams(max_new_tokens=8))
+        other_seed = engine.submit(prompt, SamplingParams(max_new_tokens=8, temperature=1.5, seed=8))
+        no_repeat = engine.submit(prompt, SamplingParams(max_new_tokens=8, presence_penalty=100.0))
+        a, b, g, k, o, n = (_tokens(s)[0] for s in (first, second, greedy, greedy_k, other_seed, no_repeat))
+    finally:
+        engine.close()
+    assert a == b and a != o       # same seed, same tokens; another seed, other tokens
+    assert k == g                  # top_k=1 is greedy whatever the temperature
+    assert len(set(n)) == len(n)   # a large presence penalty never repeats a token
+
+
+def test_submit_refuses_an_empty_or_too_long_prompt(llama):
+    _, model = llama
+    engine = BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0)
+    try:
+        with pytest.raises(InvalidOption, match="prompt is empty"):
+            engine.submit([], SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidOption, match="sampling parameters out of range"):
+            engine.submit([5], SamplingParams(max_new_tokens=4, top_p=0.0))
+        with pytest.raises(InvalidOption, match="prompt token 128 is not an id of the model's vocabulary"):
+            engine.submit([5, 128], SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidOption, match=r"plus max_new_tokens \(10\) exceeds the model's context of 64"):
+            engine.submit(_prompt(60, 1), SamplingParams(max_new_tokens=10))
+    finally:
+        engine.close()
+
+
+def test_a_failing_step_fails_its_sequences_and_the_engine_keeps_serving():
+    """A block that raises mid-pass (as a failed read would) fails that pass's sequences only."""
+    reference = tiny_model("llama")
+    broken = {"on": True}
+
+    def fail(module, args):
+        if broken["on"]:
+            raise RuntimeError("block 1 could not be read")
+
+    hook = reference.model.layers[1].register_forward_pre_hook(fail)
+    engine = BatchEngine(reference, eos_token_ids={EOS}, pad_token_id=0)  # a plain transformers model works too
+    try:
+        with pytest.raises(RuntimeError, match="block 1 could not be read"):
+            list(engine.submit(_prompt(4, 2), SamplingParams(max_new_tokens=3)))
+        broken["on"] = False
+        tokens, _ = _tokens(engine.submit(_prompt(5, 1), SamplingParams(max_new_tokens=5)))
+        assert tokens == _alone(reference, _prompt(5, 1), 5)
+    finally:
+        engine.close()
+        hook.remove()
+
+
+def test_a_long_prefill_is_chunked_between_the_decode_steps_of_the_others():
+    """28 chunks of 2 tokens: the running sequence finishes its 20 tokens before the newcomer starts."""
+    engine = BatchEngine(tiny_model("llama"), eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=2)
+    try:
+        running = engine.submit(_prompt(4, 1), SamplingParams(max_new_tokens=20))
+        next(iter(running))
+        newcomer = engine.submit(_prompt(56, 2), SamplingParams(max_new_tokens=1))
+        list(newcomer)
+        assert running.done  # its 20th token came before the newcomer's first
+        assert len(_tokens(running)[0]) == 19
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("options,bound", [(dict(max_batch_size=1), "max_batch_size=1"),
+                                           (dict(kv_cache_budget=4000), "KV-cache budget")])
+def test_the_bound_that_limits_the_batch_is_logged(caplog, options, bound):
+    reference = tiny_model("llama")  # 4 layers x 2 kv heads x 8 x 2 x 4 bytes = 512 bytes a token
+    engine = BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, **options)
+    try:
+        with caplog.at_level(logging.INFO, logger="shardstream.batching"):
+            sequences = [engine.submit(_prompt(3, i), SamplingParams(max_new_tokens=2)) for i in range(3)]
+            outputs = [_tokens(s)[0] for s in sequences]
+    finally:
+        engine.close()
+    assert outputs == [_alone(reference, _prompt(3, i), 2) for i in range(3)]
+    assert bound in caplog.text
+
+
+def test_close_ends_waiting_and_running_sequences():
+    engine = BatchEngine(tiny_model("llama"), eos_token_ids=set(), pad_token_id=0, max_batch_size=1)
+    sequences = [engine.submit(_prompt(3, i), SamplingParams(max_new_tokens=60)) for i in range(2)]
+    engine.close()
+    for sequence in sequences:
+        assert list(sequence)[-1].finish_reason in ("cancelled", "length")
