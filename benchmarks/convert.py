@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--airllm-python", default="/tmp/airllm-venv/bin/python")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of cp / plain / sequential (median reported)")
+    parser.add_argument("--main-only", action="store_true",
+                        help="only the interleaved cp / plain / sequential rounds (no HTTP, 8/4-bit, AirLLM)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -284,18 +286,29 @@ def main() -> None:
 
     # The disk's speed swings between runs (cp -r alone varied 2x here), so cp and the two main
     # modes run interleaved, `--repeat` times, and each row reports its median run.
+    # Each conversion is also compared with the `cp -r` + fsync of its own round (the goal: >= 0.8x).
     rounds: dict[str, list[Run]] = {}
+    ratios: dict[str, list[float]] = {}
     for _ in range(args.repeat):
-        for run in (*cp_runs(src, scratch, shape.total), convert_in_child("shardstream plain", str(src), scratch / "out", shape)):
-            rounds.setdefault(run.label, []).append(run)
+        copied, synced = cp_runs(src, scratch, shape.total)
+        plain = convert_in_child("shardstream plain", str(src), scratch / "out", shape)
         copy = scratch / "seq-source"   # sequential mode deletes its source shards: convert a copy
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(src, copy)
-        run = convert_in_child("shardstream sequential", str(copy), scratch / "out", shape, sequential=True)
-        rounds.setdefault(run.label, []).append(run)
+        sequential = convert_in_child("shardstream sequential", str(copy), scratch / "out", shape, sequential=True)
         shutil.rmtree(copy, ignore_errors=True)
+        for run in (copied, synced, plain, sequential):
+            rounds.setdefault(run.label, []).append(run)
+        for run in (plain, sequential):
+            ratios.setdefault(run.label, []).append(synced.seconds / run.seconds)
     runs = [median_run(r) for r in rounds.values()]
     cp, cp_sync = runs[0], runs[1]
+    same_round = [f"{label} vs `cp -r` + fsync of the same round: median {sorted(r)[len(r) // 2]:.2f}x "
+                  f"(range {min(r):.2f}-{max(r):.2f}x over {len(r)} rounds; goal >= 0.8x)."
+                  for label, r in ratios.items()]
+    if args.main_only:
+        print("\n".join([table(runs, cp, cp_sync, shape), "", *same_round]))
+        return
     http, peak_disk, final_disk = http_sequential(src, scratch, shape)
     runs.append(http)
     for compression in ("8bit", "4bit"):
@@ -320,6 +333,7 @@ def main() -> None:
         "",
         table(runs, cp, cp_sync, shape),
         "",
+        *same_round,
         f"RSS bound = largest shard + largest part = {mb(shape.largest_shard + shape.largest_part)} MB.",
         f"Peak disk, sequential from HTTP (output folder incl. .staging, st_blocks): {mb(peak_disk)} MB; "
         f"bound = largest shard + final output = {mb(shape.largest_shard)} + {mb(final_disk)} = "

@@ -28,7 +28,8 @@ from _measure import MB, cpu_model, evict, markdown_table  # noqa: E402
 
 from shardstream.shard import Expert  # noqa: E402
 from shardstream.convert import convert  # noqa: E402
-from shardstream.shard import export_tp, load_index, load_tp, place_experts, verify_experts_and_slices  # noqa: E402
+from shardstream.store import verify_sharding  # noqa: E402
+from shardstream.shard import export_tp, load_index, load_tp, place_experts  # noqa: E402
 from shardstream.store import open_store  # noqa: E402
 from shardstream.store.verify import verify_store  # noqa: E402
 from shardstream.stream import StreamingModel  # noqa: E402
@@ -177,7 +178,7 @@ def bench_verify(store) -> str:
         assert hashed == nbytes and not problems, problems
 
     def verify_slices():
-        assert not verify_experts_and_slices(store)
+        assert not verify_sharding(store)[1]
 
     buffer = bytearray(files[max(range(len(files)), key=lambda i: files[i].stat().st_size)].read_bytes())
     rows = []
@@ -190,7 +191,7 @@ def bench_verify(store) -> str:
     rows.append(["`verify_store` (read + xxh3_128, whole store)", f"{nbytes / MB:,.0f}", gbs(nbytes, warm),
                  gbs(nbytes, cold(verify, *files))])
     warm = best_of(verify_slices, 1)
-    rows.append([f"`verify_experts_and_slices` (TP slices, tp={'+'.join(map(str, TPS))})", f"{slice_bytes / MB:,.0f}",
+    rows.append([f"`verify_sharding` (TP slices, tp={'+'.join(map(str, TPS))})", f"{slice_bytes / MB:,.0f}",
                  gbs(slice_bytes, warm), gbs(slice_bytes, cold(verify_slices, *slice_paths))])
     return markdown_table(["what", "MB", "warm GB/s", "cold GB/s"], rows)
 

@@ -56,3 +56,42 @@ def test_open_store_by_url(tmp_path):
                            open_store(tmp_path / "store").load("mid/2")["model.layers.2.mlp.up_proj.weight"])
     assert any(r.path.endswith("mid/2/weights.safetensors") for r in log)
     assert not any("mid/3" in r.path for r in log), "only the requested part is read"
+
+
+def _tree_bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def test_verify_names_files_once_and_counts_slices(tmp_path):
+    save_checkpoint("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "sh1", progress=False)
+    before = _tree_bytes(tmp_path / "sh1")
+    run_cli("shard", "sh1", "--tp", "2", cwd=tmp_path, check=True)
+    ok = run_cli("verify", "sh1", cwd=tmp_path, check=True).stdout
+    assert f"OK: {_tree_bytes(tmp_path / 'sh1') / 1e6:.1f} MB verified" in ok
+    assert _tree_bytes(tmp_path / "sh1") > before   # the slices are in the total
+
+    slice_file = next(p for p in (tmp_path / "sh1").rglob("*.safetensors") if "rank_" in p.name)
+    slice_file.unlink()
+    bad = run_cli("verify", "sh1", cwd=tmp_path)
+    assert bad.returncode == 1
+    shown = f"sh1/{slice_file.relative_to(tmp_path / 'sh1')}: missing"
+    assert shown in bad.stderr and "sh1/sh1/" not in bad.stderr
+
+
+def test_inspect_names_a_missing_file_and_original_dtypes(tmp_path):
+    save_checkpoint("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "store", compression="4bit", progress=False)
+    shown = run_cli("inspect", "store", cwd=tmp_path, check=True).stdout
+    assert "complete" in shown and "float32" not in shown and "F32" in shown and "U8" not in shown
+    (tmp_path / "store" / "mid" / "3" / "weights.safetensors").unlink()
+    shown = " ".join(run_cli("inspect", "store", cwd=tmp_path, check=True).stdout.split())   # as if never wrapped
+    assert "damaged: 1 missing" in shown and " complete" not in shown
+    assert "store/mid/3/weights.safetensors: missing" in shown
+
+
+def test_verify_a_file_is_one_sentence(tmp_path):
+    (tmp_path / "afile").write_text("not a store")
+    result = run_cli("verify", "afile", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "afile is not a folder" in result.stderr

@@ -15,8 +15,8 @@ from shardstream.convert import convert
 from http_server import serve_directory
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.shard import (RELOCATION_STEPS, load_expert, load_index, parse_expert_key, parse_tiers,
-                               place_experts, relocate, verify_experts_and_slices)
-from shardstream.store import verify_store
+                               place_experts, relocate)
+from shardstream.store import verify_sharding, verify_store
 from shardstream.store.remote import open_remote_store
 from test_shard_tp import tiny_store
 
@@ -105,7 +105,7 @@ def test_placement_by_tier(placed, original, tmp_path):
     for layer in range(3):
         for expert in range(4):
             assert_loads_exactly(store, original, layer, expert)
-    assert verify_experts_and_slices(store) == []
+    assert verify_sharding(store)[1] == []
 
 
 def assert_same_parts(store, original) -> None:
@@ -132,7 +132,7 @@ def test_placing_stores_each_expert_once(placed, original, tmp_path):
     assert expert_bytes > disk_bytes(original.root) / 2
     placed_bytes = disk_bytes(store.root, tmp_path / "nvme", tmp_path / "hdd")
     assert placed_bytes < disk_bytes(original.root) * 1.1   # not the experts twice
-    assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+    assert verify_store(store.root)[1] == [] and verify_sharding(store)[1] == []
 
 
 def test_rerunning_convert_on_a_placed_store_changes_nothing(placed, original):
@@ -166,7 +166,7 @@ def test_sigkill_while_placing_leaves_a_store_that_loads(tmp_path, tmp_path_fact
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
     store = shardstream.open_store(tmp_path / "store")
-    assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+    assert verify_store(store.root)[1] == [] and verify_sharding(store)[1] == []
     assert_same_parts(store, original)
 
     place_experts(store, {"hot": ".", "cold": str(tmp_path / "hdd")}, placement={(1, 2): "cold"})   # the re-run finishes
@@ -213,7 +213,7 @@ def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, origi
     store = shardstream.open_store(store.root)
     tier = load_index(store).experts["1:2"].tier
     assert tier == (before if stop in ("copy", "verify") else "hot")
-    assert verify_store(store.root)[1] == [] and verify_experts_and_slices(store) == []
+    assert verify_store(store.root)[1] == [] and verify_sharding(store)[1] == []
     assert_loads_exactly(store, original, 1, 2)
 
     relocate(store, 1, 2, "hot")   # the re-run completes the move
@@ -236,7 +236,7 @@ def test_corrupt_expert_is_named_on_first_read_and_never_used(placed, tmp_path):
         relocate(store, 1, 2, "hot")
     assert load_index(store).experts["1:2"].tier == "cold"
     assert not (tmp_path / "nvme/experts/tier_hot/group_1/expert_2.safetensors").exists()
-    assert [p.reason for p in verify_experts_and_slices(store)] == ["checksum mismatch"]
+    assert [p.reason for p in verify_sharding(store)[1]] == ["checksum mismatch"]
 
 
 def test_experts_over_http(placed, original):

@@ -1,7 +1,9 @@
 """Atomic file writes: temp file in the same folder, fsync, rename, fsync the folder.
 
 A reader (or a resumed run) never sees a half-written file under its final name; at worst it
-finds a `.tmp-*` file, which `discard_temp_files` removes.
+finds a `.tmp-*` file, which `discard_temp_files` removes. `durable=False` skips the two fsyncs for
+callers that make many files durable at once later (`fsync_paths`), e.g. the store writer.
+Files get the mode the umask gives any new file (mkstemp's 0600 would survive the rename).
 """
 
 from __future__ import annotations
@@ -18,31 +20,55 @@ from .errors import DiskSpaceError
 TEMP_PREFIX = ".tmp-"
 
 
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _read_umask() -> int:
+    """The process umask, read without changing it where Linux says it (/proc), else set back at once."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
-def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview) -> None:
+FILE_MODE = 0o666 & ~_read_umask()   # what open(path, "w") would give; read once, at import
+
+
+def fsync_dir(folder: Path) -> None:
+    fsync_paths([folder])
+
+
+def fsync_paths(paths: Iterable[Path]) -> None:
+    """Make files (or folders) written earlier without fsync durable, in one pass."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview, durable: bool = True) -> None:
     """Write data to path so that path holds either the old content or all of the new."""
-    write_chunks_atomic(path, [data])
+    write_chunks_atomic(path, [data], durable)
 
 
-def write_chunks_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+def write_chunks_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview], durable: bool = True) -> None:
     """Like write_bytes_atomic, from pieces, so a large file never has to exist whole in memory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX + path.name + ".", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb", buffering=0) as handle:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 while view:
                     view = view[handle.write(view):]
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -51,7 +77,8 @@ def write_chunks_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryv
                 f"the disk filled up while writing {path}; free some space and re-run (finished parts are kept)."
             ) from None
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def write_with_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -59,6 +86,7 @@ def write_with_atomic(path: Path, write: Callable[[Path], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX + path.name + ".", dir=path.parent)
+    os.fchmod(fd, FILE_MODE)
     os.close(fd)
     try:
         write(Path(tmp))
@@ -70,8 +98,8 @@ def write_with_atomic(path: Path, write: Callable[[Path], None]) -> None:
     fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path, value: object) -> None:
-    write_bytes_atomic(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+def write_json_atomic(path: Path, value: object, durable: bool = True) -> None:
+    write_bytes_atomic(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode(), durable)
 
 
 def copy_file_atomic(src: Path, dest: Path) -> None:

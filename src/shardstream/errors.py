@@ -72,3 +72,15 @@ class PlanInfeasible(ShardstreamError, ValueError):
 
 class AuthenticationFailed(ShardstreamError, PermissionError):
     """A pipeline agent or coordinator refused the bearer token."""
+
+
+class DraftMismatch(ShardstreamError, ValueError):
+    """A speculative-decoding draft that cannot serve the target model (another tokenizer)."""
+
+
+class OutputMismatch(ShardstreamError, ValueError):
+    """An offline-batch output file that belongs to another prompts file (or is not one of ours)."""
+
+
+class TrackerNotFound(ShardstreamError, FileNotFoundError):
+    """A command that reads a tracker was pointed at one that does not exist (it is never created then)."""

@@ -26,12 +26,10 @@ from pathlib import Path
 from ..errors import InvalidOption
 from ..naming import Part
 from ..atomic import discard_temp_files
-from ..store.checksum import checksum_file
 from ..store.manifest import FileRecord, PartRecord, TensorRecord
 from ..store.partfile import encode_stored
 from ..store.reader import Store
 from ..store.sharding import Expert, ExpertRecord, ShardIndex, expert_record, load_index, tier_root
-from ..store.verify import Problem
 from ..store.writer import write_encoded
 from .tiers import check_tier, copy_verified, define_tiers
 
@@ -168,17 +166,3 @@ def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable
     discard_temp_files((tier_root(store, index, tier) / record.file).parent)
     on_step("remove")
     return record
-
-
-def verify_experts_and_slices(store: Store) -> list[Problem]:
-    """Check every file the sharding index names (local stores), like `verify_store` for the manifest."""
-    index = load_index(store)
-    locations = {name: Path(store.root) / name for name in {s.file for s in index.slices}}
-    locations.update({r.file: tier_root(store, index, r.tier) / r.file for r in index.experts.values()})
-    problems = []
-    for name, path in sorted(locations.items()):
-        if not path.is_file():
-            problems.append(Problem(str(path), "missing"))
-        elif checksum_file(path) != index.files[name].xxh3_128:
-            problems.append(Problem(str(path), "checksum mismatch"))
-    return problems

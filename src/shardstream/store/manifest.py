@@ -60,6 +60,7 @@ class Manifest:
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     aliases: dict[str, dict] = field(default_factory=dict)   # name -> {target, part}
     sharding: str | None = None   # the sharding index file (TP slices, experts by tier), when exported
+    source_fingerprint: dict | None = None   # shard sizes and dates, or the Hub commit (sources.base.same_source)
     complete: bool = False
 
     def to_dict(self) -> dict:

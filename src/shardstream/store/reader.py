@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from .checksum import checksum_bytes
-from .manifest import Manifest, TensorRecord, load_manifest
+from .manifest import Manifest, TensorRecord
 from .partfile import decode_tensor
 from .sharding import Expert, ShardIndex, load_expert, load_index, load_tp, placed_in, read_path, tier_root
 
@@ -208,20 +208,3 @@ class Store:
                 f"the store at {self.root} has no part {part!r} (it has: {known}); run `shardstream inspect` to list them."
             ) from None
 
-
-def open_store(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Store:
-    """Open a store folder or an http(s):// store URL; an unfinished one is refused unless `allow_incomplete`."""
-    if str(path).startswith(("http://", "https://")):
-        from .remote import open_remote_store
-
-        return open_remote_store(str(path), allow_incomplete=allow_incomplete)
-    root = Path(path)
-    if not root.is_dir():
-        raise StoreIncomplete(f"{root} is not a folder; give the output folder of `shardstream convert`.")
-    manifest = load_manifest(root)
-    if not manifest.complete and not allow_incomplete:
-        raise StoreIncomplete(
-            f"the store at {root} is incomplete (conversion was interrupted); re-run the same "
-            "`shardstream convert` command to finish it."
-        )
-    return Store(root, manifest)

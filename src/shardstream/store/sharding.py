@@ -14,18 +14,29 @@ import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
-from .manifest import FORMAT_VERSION, FileRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
+from .manifest import FORMAT_VERSION, FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor, tensor_from_bytes
 
-if TYPE_CHECKING:
-    from .reader import Store
+
+class StoreFiles(Protocol):
+    """What the index needs of a store (a local `reader.Store` or a `remote.RemoteStore`); named
+    here so that the reader, which loads experts and slices through this module, is not imported."""
+
+    root: Path | str
+    manifest: Manifest
+    remote: bool
+
+    def file_version(self, name: str) -> object: ...
+
+    def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray: ...
+
 
 INDEX_NAME = "sharding.json"
 
@@ -71,7 +82,7 @@ class ShardIndex:
         """The self-checksummed index, e.g. for a pipeline stage's own copy."""
         return canonical_json(sealed(asdict(self)))
 
-    def save(self, store: Store) -> None:
+    def save(self, store: StoreFiles) -> None:
         """Replace the store's index atomically; the first save also points its manifest at it."""
         write_json_atomic(Path(store.root) / INDEX_NAME, sealed(asdict(self)))
         if store.manifest.sharding != INDEX_NAME:
@@ -98,7 +109,7 @@ class ShardIndex:
         return index
 
 
-def load_index(store: Store, for_update: bool = False) -> ShardIndex:
+def load_index(store: StoreFiles, for_update: bool = False) -> ShardIndex:
     """The store's sharding index, or an empty one when the store was never sharded.
 
     Readers share one parsed copy per version of the file (parsing costs milliseconds, on every
@@ -142,13 +153,13 @@ def checked(data: bytes, record: FileRecord, where: str) -> bytes:
     return data
 
 
-def tier_root(store: Store, index: ShardIndex, tier: str) -> Path:
+def tier_root(store: StoreFiles, index: ShardIndex, tier: str) -> Path:
     """A tier's folder: absolute (another disk), or relative to the store root."""
     root = Path(index.tiers[tier]["root"])
     return root if root.is_absolute() else Path(store.root) / root
 
 
-def placed_in(store: Store, layer: int) -> list[ExpertRecord]:
+def placed_in(store: StoreFiles, layer: int) -> list[ExpertRecord]:
     """The experts of block `layer` stored apart on tiers (none for a store never sharded)."""
     if not store.manifest.sharding:
         return []
@@ -158,7 +169,7 @@ def placed_in(store: Store, layer: int) -> list[ExpertRecord]:
 class Expert:
     """One placed expert; its file is read and checksum-verified on first use of `tensors`."""
 
-    def __init__(self, store: Store, index: ShardIndex, record: ExpertRecord):
+    def __init__(self, store: StoreFiles, index: ShardIndex, record: ExpertRecord):
         self.store, self.index, self.record = store, index, record
 
     @cached_property
@@ -199,12 +210,12 @@ class Expert:
         return read_path(Path(root) / record.file)
 
 
-def load_expert(store: Store, layer: int, expert: int) -> Expert:
+def load_expert(store: StoreFiles, layer: int, expert: int) -> Expert:
     index = load_index(store)
     return Expert(store, index, expert_record(store, index, layer, expert))
 
 
-def expert_record(store: Store, index: ShardIndex, layer: int, expert: int) -> ExpertRecord:
+def expert_record(store: StoreFiles, index: ShardIndex, layer: int, expert: int) -> ExpertRecord:
     try:
         return index.experts[f"{layer}:{expert}"]
     except KeyError:
@@ -213,7 +224,7 @@ def expert_record(store: Store, index: ShardIndex, layer: int, expert: int) -> E
         ) from None
 
 
-def load_tp(store: Store, part: str, tp_rank: int, tp_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_tp(store: StoreFiles, part: str, tp_rank: int, tp_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Rank `tp_rank`'s slices of one part (written by `shardstream shard --tp`): reads that
     rank's file, checksum-verified, and nothing else of the part. MoE experts are not sliced."""
     if not 0 <= tp_rank < tp_size:

@@ -1,18 +1,20 @@
-"""Re-hash every file of a store against its manifest."""
+"""Re-hash every file of a store against its manifest and its sharding index."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checksum import checksum_file
-from .manifest import load_manifest
+from .manifest import FileRecord, load_manifest
 from .reader import Store
+from .sharding import load_index, tier_root
 
 
 @dataclass(frozen=True)
 class Problem:
-    file: str
+    file: str     # relative to the store root when the file lives under it
     reason: str
 
 
@@ -25,22 +27,38 @@ def verify_store(root: Path, parts: list[str] | None = None) -> tuple[int, list[
     root = Path(root)
     manifest = load_manifest(root)
     store = Store(root, manifest)   # parts relocated to tiers are checked where they are
-    problems: list[Problem] = []
-    hashed = 0
+    hashed, problems = 0, []
     for name, record in sorted(manifest.files.items()):
         if parts and not any(name == p or name.startswith(p.rstrip("/") + "/") for p in parts):
             continue
-        path = store.file_path(name)
-        if not path.is_file():
-            problems.append(Problem(name, "missing"))
-            continue
-        size = path.stat().st_size
-        if size != record.size:
-            problems.append(Problem(name, f"{size} bytes, manifest says {record.size}"))
-            continue
-        hashed += size
-        if checksum_file(path) != record.xxh3_128:
-            problems.append(Problem(name, "checksum mismatch"))
+        size, problem = _check(store.file_path(name), record, root)
+        hashed, problems = hashed + size, problems + ([problem] if problem else [])
     if not manifest.complete:
         problems.append(Problem("manifest.json", "incomplete: conversion has not finished"))
     return hashed, problems
+
+
+def verify_sharding(store: Store) -> tuple[int, list[Problem]]:
+    """Like `verify_store`, for every TP slice and expert file the sharding index names."""
+    index = load_index(store)
+    root = Path(store.root)
+    locations = {name: root / name for name in {s.file for s in index.slices}}
+    locations.update({r.file: tier_root(store, index, r.tier) / r.file for r in index.experts.values()})
+    hashed, problems = 0, []
+    for name, path in sorted(locations.items()):
+        size, problem = _check(path, index.files[name], root)
+        hashed, problems = hashed + size, problems + ([problem] if problem else [])
+    return hashed, problems
+
+
+def _check(path: Path, record: FileRecord, root: Path) -> tuple[int, Problem | None]:
+    """(bytes hashed, the problem if any) for one file; the problem names it relative to `root`."""
+    shown = os.path.relpath(path, root) if path.is_relative_to(root) else str(path)
+    if not path.is_file():
+        return 0, Problem(shown, "missing")
+    size = path.stat().st_size
+    if size != record.size:
+        return 0, Problem(shown, f"{size} bytes, {record.size} expected")
+    if checksum_file(path) != record.xxh3_128:
+        return size, Problem(shown, "checksum mismatch")
+    return size, None

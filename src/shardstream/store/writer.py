@@ -1,9 +1,11 @@
 """Writing a store part by part, so that an interrupted run resumes where it stopped.
 
 A part is written as one file, or, when its tensors come from several source shards that are
-deleted as they go, as one file per shard ("pieces"). A file counts only once it was renamed
-into place, read back with a matching checksum, and recorded in the manifest; a part is complete
-when the manifest lists it under `parts`. Re-running keeps every file that still passes.
+deleted as they go, as one file per shard ("pieces"). A file is renamed into place and recorded
+in the manifest with the checksum of what was meant to be written, but not fsynced on its own:
+durability is batched (`sync`, one fsync pass) before anything depends on it (a source shard's
+deletion, the final `complete` commit). A file torn by a crash before then fails its checksum
+when the run is resumed and is written again. Re-running keeps every file that still passes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidOption
-from ..atomic import discard_temp_files, write_chunks_atomic
+from ..atomic import discard_temp_files, fsync_paths, write_chunks_atomic
 from .checksum import checksum_file
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from .partfile import EncodedPart, encode_part
@@ -25,7 +27,8 @@ PART_FILE = "weights.safetensors"
 
 
 def write_encoded(path: Path, encoded: EncodedPart) -> str:
-    """Write atomically, read back, and return the checksum the file was verified against."""
+    """Write durably at once, read back, and return the checksum the file was verified against
+    (for `shardstream shard`, which edits a finished store in place)."""
     digest = encoded.checksum()
     write_chunks_atomic(path, encoded.chunks)
     if checksum_file(path) != digest:
@@ -50,6 +53,7 @@ class StoreWriter:
         self.root = Path(root)
         self.manifest = manifest
         self._manifest_lock = threading.Lock()   # files are written in parallel, recorded one at a time
+        self._unsynced: set[Path] = set()         # written (files and their folders), not yet fsynced
 
     @classmethod
     def open(cls, root: Path, fresh: Manifest) -> "StoreWriter":
@@ -69,6 +73,7 @@ class StoreWriter:
             )
         writer = cls(root, existing)
         writer._drop_invalid_files()
+        writer._sync_recorded()   # a killed run may not have synced them; its shards may now be deleted
         return writer
 
     def _drop_invalid_files(self) -> None:
@@ -92,13 +97,15 @@ class StoreWriter:
 
     def write(self, part: str, tensors: dict[str, torch.Tensor], experts: dict[str, int],
               piece: int | None, complete: bool) -> WriteTimings:
-        """Encode, write atomically, read back, record; mark the part complete when told."""
+        """Encode, write atomically (fsync deferred to `sync`), record; mark the part complete when told."""
         started = time.perf_counter()
         encoded = encode_part(tensors, self.manifest.compression)
         name = part_file(part, piece)
         path = self.root / name
-        digest = write_encoded(path, encoded)
+        digest = encoded.checksum()
+        write_chunks_atomic(path, encoded.chunks, durable=False)
         with self._manifest_lock:
+            self._unsynced.update((path, path.parent))
             self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
             for tensor_name, fields in encoded.records.items():
                 self.manifest.tensors[tensor_name] = TensorRecord(
@@ -120,9 +127,25 @@ class StoreWriter:
         """Record a tied tensor (e.g. the LM head that is the embedding) without storing it twice."""
         self.manifest.aliases[name] = {"target": target, "part": part}
 
+    def sync(self) -> None:
+        """Make every file written so far durable, in one fsync pass (data first, then folders)."""
+        with self._manifest_lock:
+            paths, self._unsynced = self._unsynced, set()
+        fsync_paths(sorted(p for p in paths if p.is_file()))
+        fsync_paths(sorted(p for p in paths if p.is_dir()))
+
+    def _sync_recorded(self) -> None:
+        """`sync`, over every file the manifest records (also those an earlier run wrote)."""
+        with self._manifest_lock:
+            paths = [self.root / name for name in self.manifest.files]
+            self._unsynced.update(paths + [p.parent for p in paths])
+        self.sync()
+
     def finish(self) -> Manifest:
+        """Commit: all files durable (those of an interrupted earlier run too), then `complete`."""
         missing = [p for p in self.manifest.expected_parts if p not in self.manifest.parts]
         assert not missing, f"finish() called with parts missing: {missing}"
+        self._sync_recorded()
         self.manifest.complete = True
         self.manifest.save(self.root)
         return self.manifest
