@@ -114,8 +114,11 @@ def serve_directory(root: Path, *, ranges: bool = True) -> Iterator[tuple[str, l
 
 
 @contextmanager
-def serve_hub(repos: dict[str, Path]) -> Iterator[tuple[str, list[LoggedRequest]]]:
-    """Answer Hub resolve URLs for each repo id (any revision) from its folder."""
+def serve_hub(
+    repos: dict[str, Path], *, published: dict[str, str] | None = None
+) -> Iterator[tuple[str, list[LoggedRequest]]]:
+    """Answer Hub resolve URLs for each repo id (any revision) from its folder; the ETag is the
+    file's sha256, as the Hub's is for LFS files, unless `published` gives another for a file name."""
 
     class Handler(_FileHandler):
         def locate(self, url_path: str) -> tuple[Path | None, dict[str, str]]:
@@ -125,7 +128,7 @@ def serve_hub(repos: dict[str, Path]) -> Iterator[tuple[str, list[LoggedRequest]
             path = Path(repos[match[1]]) / match[3]
             if not path.is_file():
                 return None, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": HUB_COMMIT}
-            etag = hashlib.sha256(path.read_bytes()).hexdigest()
+            etag = (published or {}).get(match[3]) or hashlib.sha256(path.read_bytes()).hexdigest()
             return path, {"ETag": f'"{etag}"', "X-Repo-Commit": HUB_COMMIT}
 
     with _serving(Handler, ranges=True) as served:

@@ -128,17 +128,18 @@ def test_rerun_skips_complete_parts(tmp_path):
     assert (tmp_path / "store" / "manifest.json").read_bytes() == manifest
 
 
-def test_truncated_shard_aborts_naming_it(tmp_path):
+def test_truncated_shard_aborts_before_anything_is_deleted(tmp_path):
+    """Issue 12 item 4: every local shard is checked up front, so a cut last shard costs nothing."""
     src = tmp_path / "src"
     save_checkpoint("llama", src)
-    victim = sorted(src.glob("*.safetensors"))[2]
+    shards = sorted(src.glob("*.safetensors"))
+    victim = shards[-1]
     with open(victim, "r+b") as handle:
-        handle.truncate(victim.stat().st_size - 10)
+        handle.truncate(victim.stat().st_size // 2)
     with pytest.raises(CorruptShard, match=victim.name + r".*download"):
         convert(src, tmp_path / "store", sequential_shard_processing=True, progress=False)
-    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
-    assert manifest["complete"] is False
-    assert victim.exists(), "the corrupt shard must not be deleted"
+    assert all(shard.exists() for shard in shards), "no shard may be deleted before all are checked"
+    assert not (tmp_path / "store").exists(), "a failed check creates no output folder"
 
 
 def test_shard_missing_a_tensor_is_reported(tmp_path):

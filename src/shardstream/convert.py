@@ -8,13 +8,12 @@ is one shard plus the output, and a kill at any point loses nothing that was del
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
-import threading
 import time
 import warnings
-from collections import defaultdict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,13 +21,16 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from .errors import CorruptShard, DiskSpaceError, InvalidOption
+from .convert_disk import check_disk
+from .convert_writes import PartProfile, WritePipeline
+from .errors import CorruptShard, InvalidOption
 from .naming import TensorRouter, router_for
 from .safetensors_header import Header, HeaderError, read_header
-from .sources import CheckpointSource, open_source
+from .sources import CheckpointSource, LocalSource, open_source
+from .sources.base import same_source
 from .sources.remote import RemoteSource
-from .store import MANIFEST_NAME, Manifest, StoreWriter
-from .atomic import write_json_atomic
+from .store import MANIFEST_NAME, Manifest, StoreWriter, load_manifest
+from .atomic import TEMP_PREFIX, write_json_atomic
 from .store.dtypes import TORCH_DTYPES
 
 log = logging.getLogger("shardstream.convert")
@@ -37,15 +39,6 @@ COMPRESSIONS = (None, "4bit", "8bit")
 DEFAULT_MIN_FREE_BYTES = 1_000_000_000
 STAGING_DIR = ".staging"
 PROFILE_FILE = "convert_profile.json"
-
-
-@dataclass
-class PartProfile:
-    read_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    quantize_seconds: float = 0.0
-    write_seconds: float = 0.0
-    bytes_written: int = 0
 
 
 @dataclass
@@ -60,8 +53,9 @@ class ConvertReport:
     def summary(self) -> str:
         mb = self.bytes_written / 1e6
         rate = mb / self.seconds if self.seconds else 0.0
+        written = len(self.parts_written)
         return (
-            f"{len(self.parts_written)} parts written, {len(self.parts_skipped)} already complete; "
+            f"{written} part{'' if written == 1 else 's'} written, {len(self.parts_skipped)} already complete; "
             f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s) -> {self.store}"
         )
 
@@ -134,15 +128,24 @@ def convert(
         raise InvalidOption(f"compression must be one of 4bit, 8bit or none, not {compression!r}.")
     started = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _refuse_store_as_source(source)
+    _refuse_unusable_output(out)
+    # validate first, create last: nothing is written until the source has answered
     src = open_source(source, out / STAGING_DIR, token=token, revision=revision, progress=progress)
     config = src.config()
     plan = make_plan(config, src.weight_map())
+    if isinstance(src, LocalSource):
+        src.check_all()
+    where, fingerprint = src.identity()
+    _refuse_other_contents(out, where, fingerprint)
     fresh = Manifest(
-        source=str(source), config=config, family=plan.router.family,
+        source=where, source_fingerprint=fingerprint, config=config, family=plan.router.family,
         compression=compression, expected_parts=plan.expected_parts,
     )
+    _make_folder(out)
     writer = StoreWriter.open(out, fresh)
+    if not (out / MANIFEST_NAME).exists():
+        writer.manifest.save(out)   # from now on the folder is recognisably an unfinished store
     src.copy_metadata(out)
     job = _Job(src, plan, writer, sequential_shard_processing, min_free_space,
                layer_memory_warning or _default_layer_warning(), progress)
@@ -156,13 +159,65 @@ def convert(
             src.release(shard, delete=True)
         src.delete_remaining()
     shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
-    report = ConvertReport(out, job.written, job.skipped, job.bytes_written,
+    report = ConvertReport(out, job.writes.written, job.skipped, job.writes.bytes_written,
                            time.perf_counter() - started, job.profile)
     if profiling_mode:
         write_json_atomic(out / PROFILE_FILE, _profile_json(report))
         print(profile_table(report))
     log.info(report.summary())
     return report
+
+
+def _refuse_store_as_source(source: str | Path) -> None:
+    if (Path(source).expanduser() / MANIFEST_NAME).is_file():
+        raise InvalidOption(
+            f"{source} is already a store; use it directly (generate, serve, inspect), there is nothing to convert."
+        )
+
+
+def _refuse_unusable_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise InvalidOption(f"{out} is a file; give a new or empty folder for the store.")
+
+
+def _refuse_other_contents(out: Path, where: str, fingerprint: dict) -> None:
+    """Only a new or empty folder, or an (unfinished) store of this very source, may be written."""
+    if not out.is_dir():
+        return
+    if not (out / MANIFEST_NAME).is_file():
+        if any(p.name != STAGING_DIR and not p.name.startswith(TEMP_PREFIX) for p in out.iterdir()):
+            raise InvalidOption(
+                f"{out} is not empty and is not a shardstream store; give a new or empty folder for the store."
+            )
+        return
+    try:
+        body = json.loads((out / MANIFEST_NAME).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        body = None
+    if not (isinstance(body, dict) and {"format_version", "checksum", "expected_parts"} <= body.keys()):
+        raise InvalidOption(
+            f"{out / MANIFEST_NAME} is not a shardstream store's manifest, so {out} is not a shardstream store; "
+            "give a new or empty folder for the store."
+        )
+    check_same_source(out, where, fingerprint)
+
+
+def check_same_source(store: Path, where: str, fingerprint: dict) -> None:
+    """Refuse a store whose recorded source is not this one as it is now: a copy of the same shards
+    (same sizes and dates, or the same Hub commit) may finish or reuse it, another model may not."""
+    existing = load_manifest(store)
+    if not same_source(existing.source_fingerprint, fingerprint):
+        raise InvalidOption(
+            f"{store} holds a store converted from {existing.source}, and {where} differs from that now "
+            "(shard sizes, dates or Hub commit); give another output folder, or delete that one to convert again."
+        )
+
+
+def _make_folder(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidOption(f"cannot create {out} ({exc.strerror}); give a folder you can write to.") from None
 
 
 def _default_layer_warning() -> int:
@@ -172,13 +227,11 @@ def _default_layer_warning() -> int:
 class _Job:
     """The shard loop, with its buffers; one instance per convert() call.
 
-    Parts are encoded and written on writer threads while the main thread reads on, so reads,
-    writes and fsyncs overlap; at most WRITERS parts are in flight. Before a source shard is
-    deleted, every write that came from it has finished, so a kill never loses data; a part's
-    pieces are recorded before the write that completes it.
+    Each shard is read tensor by tensor into per-part buffers; a part is handed to the write
+    pipeline (convert_writes) the moment its last tensor arrives, so writing overlaps reading.
+    In sequential mode the rest is written as piece files and the shard is released once its
+    writes are durable.
     """
-
-    WRITERS = 2
 
     def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
                  min_free_space: int, layer_warning: int, progress: bool):
@@ -191,22 +244,14 @@ class _Job:
         self.stored = writer.stored_tensors()            # durably written or handed to the writer
         self.completed = set(writer.manifest.parts)      # likewise, for whole parts
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
-        self.pending: deque[Future] = deque()
-        self.releases: list[Future] = []
-        self.piece_writes: dict[str, list[Future]] = {}
-        self.stats_lock = threading.Lock()
         self.warned_parts: set[str] = set()
-        self.written: list[str] = []
         self.skipped = sorted(writer.manifest.parts)
-        self.bytes_written = 0
-        self.profile: dict[str, PartProfile] = defaultdict(PartProfile)
+        self.writes = WritePipeline(writer, plan.expert_of)
+        self.profile = self.writes.profile
 
     def run(self) -> None:
-        with ThreadPoolExecutor(max_workers=self.WRITERS, thread_name_prefix="shardstream-writer") as self.pool, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstream-release") as self.releaser:
+        with self.writes:
             self._run()
-            for release in self.releases:
-                release.result()
 
     def _run(self) -> None:
         shards = self.src.shard_names()
@@ -214,22 +259,25 @@ class _Job:
         for shard in shards:
             if shard not in todo and self.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
-        bar = tqdm(total=len(todo), unit="shard", disable=not self.progress, desc="convert")
-        if not self.sequential:
-            fetched = {s: self._fetch(s, shards.index(s)) for s in todo}
-        for shard in todo:
-            index = shards.index(shard)   # piece files are named by it: the same after a resume
-            path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
-            self._process(shard, path, wait, index, last=shard == todo[-1])
-            if self.sequential:
-                self._release_when_written(shard)
-            bar.update(1)
-        bar.close()
+        # drawn only on a terminal, and closed before an error is printed (never redrawn after it)
+        with tqdm(total=len(todo), unit="shard", disable=None if self.progress else True, desc="convert") as bar:
+            if not self.sequential:
+                fetched = {s: self._fetch(s, shards.index(s)) for s in todo}
+            for shard in todo:
+                index = shards.index(shard)   # piece files are named by it: the same after a resume
+                path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
+                self._process(shard, path, wait, index, last=shard == todo[-1])
+                if self.sequential:
+                    self.writes.release_when_written(shard, self._delete, wait=isinstance(self.src, RemoteSource))
+                bar.update(1)
         self._safeguard()
-        self._drain()
+        self.writes.drain()
         if not self.sequential:
             for shard in todo:
                 self.src.release(shard, delete=False)
+
+    def _delete(self, shard: str) -> None:
+        self.src.release(shard, delete=True)
 
     def _wanted(self, shard: str) -> list[str]:
         """The shard's tensors not yet stored, in parts not yet complete: what it is read for."""
@@ -237,34 +285,10 @@ class _Job:
                 if n not in self.stored and self.plan.part_of[n] not in self.completed]
 
     def _fetch(self, shard: str, index: int) -> tuple[Path, float]:
-        self._check_disk(shard, index)
+        check_disk(self.src, self.writer.root, self.writer.manifest.compression, shard, index, self.min_free_space)
         started = time.perf_counter()
         path = self.src.fetch(shard)
         return path, time.perf_counter() - started
-
-    def _check_disk(self, shard: str, index: int) -> None:
-        """Abort before the disk fills; warn when what remains would leave less than the threshold."""
-        free = shutil.disk_usage(self.writer.root).free
-        shard_bytes = self.src.shard_size(shard) or 0
-        remote = isinstance(self.src, RemoteSource)
-        ratio = _compression_ratio(self.writer.manifest.compression)
-        manifest = self.writer.root / MANIFEST_NAME
-        manifest_bytes = manifest.stat().st_size if manifest.exists() else 0
-        # the shard (when downloaded), what it turns into, and the manifest rewritten beside itself
-        next_step = (shard_bytes if remote else 0) + int(shard_bytes * ratio) + 2 * manifest_bytes + 65536
-        remaining = sum(self.src.shard_size(s) or 0 for s in self.src.shard_names()[index:])
-        if free < next_step:
-            raise DiskSpaceError(
-                f"only {free / 1e9:.2f} GB free in {self.writer.root} but the next shard {shard} "
-                f"needs about {next_step / 1e9:.2f} GB; free some space and re-run (finished parts are kept)."
-            )
-        if free - int(remaining * ratio) < self.min_free_space:
-            warnings.warn(
-                f"low disk space in {self.writer.root}: {free / 1e9:.2f} GB free, about "
-                f"{remaining * ratio / 1e9:.2f} GB still to write (threshold "
-                f"{self.min_free_space / 1e9:.2f} GB).",
-                stacklevel=2,
-            )
 
     def _process(self, shard: str, path: Path, wait: float, index: int, last: bool) -> None:
         try:
@@ -297,59 +321,8 @@ class _Job:
     def _submit(self, part: str, piece: int | None, complete: bool) -> None:
         tensors = self.buffer.pop(part, {})
         self.stored.update(tensors)
-        if complete:
-            self.completed.add(part)
-            for earlier in self.piece_writes.pop(part, []):
-                earlier.result()   # the part's pieces are recorded before the write that completes it
-        else:
-            self.pieced.add(part)
-        while len(self.pending) >= self.WRITERS:
-            self.pending.popleft().result()
-        future = self.pool.submit(self._write, part, tensors, piece, complete)
-        self.pending.append(future)
-        if not complete:
-            self.piece_writes.setdefault(part, []).append(future)
-
-    def _release_when_written(self, shard: str) -> None:
-        """Delete a processed shard once every write taken from it is durable.
-
-        A download must go before the next one arrives (peak disk: one shard), so remote sources
-        wait here; a local shard is already on disk, so its deletion waits on a side thread while
-        the next shard is read.
-        """
-        writes = list(self.pending)
-        if isinstance(self.src, RemoteSource):
-            self._drain()
-            self._release(shard, [])
-        else:
-            self.releases.append(self.releaser.submit(self._release, shard, writes))
-
-    def _release(self, shard: str, writes: list[Future]) -> None:
-        for write in writes:
-            write.result()   # a failed write keeps the shard: the error surfaces in run()
-        self.src.release(shard, delete=True)
-        log.info("released shard %s", shard)
-
-    def _drain(self) -> None:
-        while self.pending:
-            self.pending.popleft().result()
-
-    def _write(self, part: str, tensors: dict[str, torch.Tensor], piece: int | None, complete: bool) -> None:
-        """Runs on a writer thread; StoreWriter serialises the manifest updates."""
-        experts = {n: self.plan.expert_of[n] for n in tensors if n in self.plan.expert_of}
-        timings = self.writer.write(part, tensors, experts, piece, complete)
-        with self.stats_lock:
-            profile = self.profile[part]
-            profile.quantize_seconds += timings.quantize_seconds
-            profile.write_seconds += timings.write_seconds
-            profile.bytes_written += timings.nbytes
-            self.bytes_written += timings.nbytes
-            if complete:
-                self.written.append(part)
-        if complete:
-            log.info("wrote part %s", part)
-        else:
-            log.info("wrote piece %d of part %s", piece, part)
+        (self.completed if complete else self.pieced).add(part)
+        self.writes.submit(part, tensors, piece, complete)
 
     def _warn_if_large(self, part: str) -> None:
         size = sum(t.numel() * t.element_size() for t in self.buffer[part].values())
@@ -391,14 +364,6 @@ def _read_tensors(path: Path, header: Header, names: list[str]):
                 raise CorruptShard(f"shard {path.name} ended early inside {entry.name!r}; download it again.")
             tensor = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
             yield entry.name, tensor, time.perf_counter() - started
-
-
-def _compression_ratio(compression: str | None) -> float:
-    """Output bytes per input byte, assuming 16-bit weights (a safe upper estimate for fp32)."""
-    if compression is None:
-        return 1.0
-    bits, blocksize = {"4bit": (4, 64), "8bit": (8, 256)}[compression]
-    return bits / 16 + 4 / (blocksize * 2)
 
 
 def profile_table(report: ConvertReport) -> str:

@@ -7,6 +7,7 @@ a Hub repo (untrusted index entries, strict headers, atomic metadata copies) liv
 
 from __future__ import annotations
 
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
@@ -35,6 +36,18 @@ METADATA_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
+
+
+def same_source(recorded: dict | None, current: dict) -> bool:
+    """Whether a recorded fingerprint still describes the source: same Hub commit, and every shard
+    present in both with the same size and date (a shard deleted since, by a sequential run, is
+    no difference). A store from before fingerprints (None) matches."""
+    if recorded is None:
+        return True
+    if recorded.get("commit") != current.get("commit"):
+        return False
+    old, new = recorded.get("shards", {}), current.get("shards", {})
+    return all(old[name] == new[name] for name in old.keys() & new.keys())
 
 
 class CheckpointSource(ABC):
@@ -76,6 +89,11 @@ class CheckpointSource(ABC):
     @abstractmethod
     def delete_remaining(self) -> None:
         """After all shards are released with delete=True, remove what is left of the original."""
+
+    @abstractmethod
+    def identity(self) -> tuple[str, dict]:
+        """Where the checkpoint is (absolute path, URL, hf://id) and what tells a changed copy apart
+        (shard sizes and dates, or the Hub commit): recorded in the manifest, checked on reuse."""
 
     # Shared behaviour.
 
@@ -184,6 +202,15 @@ class CheckpointSource(ABC):
         if missing:
             detail = f"it lacks {len(missing)} tensors its index lists, first {missing[0]}"
             raise self._corrupt(name, detail, remedy)
+
+    def _check_sha256(self, path: Path, name: str, expected: str | None, remedy: str) -> None:
+        """Compare the file with the sha256 its publisher gives, when one is given."""
+        if not expected:
+            return
+        with open(path, "rb") as handle:
+            actual = hashlib.file_digest(handle, "sha256").hexdigest()
+        if actual != expected.lower():
+            raise self._corrupt(name, f"its sha256 is {actual[:12]}..., the published one {expected[:12]}...", remedy)
 
     def _corrupt(self, name: str, detail: str, remedy: str) -> CorruptShard:
         return CorruptShard(f"shard {name} of {self.description} is corrupt ({detail}); {remedy}")

@@ -7,6 +7,7 @@ size and header check out.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from shardstream.errors import SourceNotFound, SourceUnreachable
 from shardstream.safetensors_header import MAX_HEADER_BYTES, HeaderError, parse_header
+from shardstream.sources.base import INDEX_FILE
 from shardstream.sources.remote import RemoteSource
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -51,6 +53,21 @@ class HttpSource(RemoteSource):
 
     def url(self, name: str) -> str:
         return self.base_url + quote(name)
+
+    def identity(self) -> tuple[str, dict]:
+        return self.base_url, {"shards": {name: [self.shard_size(name)] for name in self.shard_names()}}
+
+    def _published_sha256(self, name: str) -> str | None:
+        """From the index's optional `"sha256": {shard: hex}`, else a `<shard>.sha256` file
+        (sha256sum's format: the hex digest first)."""
+        index = self._read_file(INDEX_FILE)
+        if index is not None:
+            published = json.loads(index).get("sha256")
+            if isinstance(published, dict) and isinstance(published.get(name), str):
+                return published[name]
+        sidecar = self._read_file(name + ".sha256")
+        words = sidecar.decode(errors="replace").split() if sidecar else []
+        return words[0] if words else None
 
     def _read_file(self, name: str) -> bytes | None:
         with self._open("GET", name, missing_ok=True) as response:

@@ -7,10 +7,14 @@ so releasing a shard frees its disk at once. The Hub address comes from huggingf
 
 from __future__ import annotations
 
+import re
+import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import HfApi, HfFileMetadata, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
@@ -28,6 +32,9 @@ from tqdm import tqdm
 
 from shardstream.errors import SourceNotFound, SourceUnreachable
 from shardstream.sources.remote import RemoteSource
+
+SHA256 = re.compile(r"[0-9a-f]{64}")
+PROBE_SECONDS = 5.0
 
 
 class _QuietBar(tqdm):
@@ -54,10 +61,22 @@ class HubSource(RemoteSource):
         self.repo_id = repo_id
         self.revision = revision
         self.token = token
+        self._probed = False
+
+    def identity(self) -> tuple[str, dict]:
+        with self._translated("config.json"):
+            commit = self._metadata("config.json").commit_hash
+        return f"hf://{self.repo_id}", {"revision": self.revision or "main", "commit": commit}
+
+    def _published_sha256(self, name: str) -> str | None:
+        """The Hub's ETag of an LFS file is its sha256 (a small git file's is a sha1: not used)."""
+        with self._translated(name):
+            etag = (self._metadata(name).etag or "").strip('"').lower()
+        return etag if SHA256.fullmatch(etag) else None
 
     def _read_file(self, name: str) -> bytes | None:
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.staging_dir) as scratch, self._translated(name):
+        # a scratch folder outside the output: a failed first request leaves nothing there
+        with tempfile.TemporaryDirectory() as scratch, self._translated(name):
             try:
                 return Path(self._hf_download(name, Path(scratch))).read_bytes()
             except RemoteEntryNotFoundError:
@@ -93,16 +112,35 @@ class HubSource(RemoteSource):
     def _hf_download(self, name: str, local_dir: Path) -> str:
         return hf_hub_download(
             self.repo_id, name, revision=self.revision, token=self.token, local_dir=local_dir,
-            tqdm_class=None if self.progress else _QuietBar,
+            tqdm_class=None if self.progress and sys.stderr.isatty() else _QuietBar,
         )
 
     def _metadata(self, name: str) -> HfFileMetadata:
         url = hf_hub_url(self.repo_id, name, revision=self.revision)
         return get_hf_file_metadata(url, token=self.token)
 
+    def _probe(self, name: str) -> None:
+        """Fail at once, with one line, when offline mode is on or the Hub's port does not answer,
+        instead of huggingface_hub's retries (tens of seconds of repeated warnings)."""
+        if self._probed:
+            return
+        endpoint = urlsplit(constants.ENDPOINT)
+        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        try:
+            if constants.HF_HUB_OFFLINE:
+                raise OSError("HF_HUB_OFFLINE is set")
+            socket.create_connection((endpoint.hostname, port), timeout=PROBE_SECONDS).close()
+        except OSError as exc:
+            raise SourceUnreachable(
+                f"could not reach the Hub at {constants.ENDPOINT} for {name} of {self.repo_id} ({exc}); "
+                "check your connection (and HF_ENDPOINT, HF_HUB_OFFLINE), then run again."
+            ) from None
+        self._probed = True
+
     @contextmanager
     def _translated(self, name: str) -> Iterator[None]:
         """huggingface_hub's errors, re-raised as ours with a message that says what to do."""
+        self._probe(name)
         try:
             yield
         except RemoteEntryNotFoundError:

@@ -55,6 +55,22 @@ class LocalSource(CheckpointSource):
         self._validate(path, name, REMEDY)
         return path
 
+    def identity(self) -> tuple[str, dict]:
+        shards = {}
+        for name in self.shard_names():
+            path = self.root / name
+            if path.is_file():
+                stat = path.stat()
+                shards[name] = [stat.st_size, stat.st_mtime_ns]
+        return str(self.root.resolve()), {"shards": shards}
+
+    def check_all(self) -> None:
+        """Validate every shard still on disk before anything is deleted: a damaged last shard
+        must not cost the user the ones a sequential run would have released before reaching it."""
+        for name in self.shard_names():
+            if (self.root / name).is_file():
+                self.fetch(name)
+
     def release(self, name: str, delete: bool) -> None:
         self._check_known(name)
         if delete:

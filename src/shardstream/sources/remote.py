@@ -22,6 +22,10 @@ class RemoteSource(CheckpointSource):
     def _download(self, name: str) -> Path:
         """Download the shard and return the complete, not yet validated, file."""
 
+    def _published_sha256(self, name: str) -> str | None:
+        """The sha256 the publisher gives for the shard, if any; a download must match it."""
+        return None
+
     def staged_path(self, name: str) -> Path:
         return self.staging_dir / name
 
@@ -31,13 +35,16 @@ class RemoteSource(CheckpointSource):
         if final.is_file():  # left by an interrupted run: reuse it if it checks out
             try:
                 self._validate(final, name, "")
+                self._check_sha256(final, name, self._published_sha256(name), "")
                 return final
             except CorruptShard:
                 final.unlink()
         final.parent.mkdir(parents=True, exist_ok=True)
         downloaded = self._download(name)
+        remedy = "the download was deleted; run again to download it afresh."
         try:
-            self._validate(downloaded, name, "the download was deleted; run again to download it afresh.")
+            self._validate(downloaded, name, remedy)
+            self._check_sha256(downloaded, name, self._published_sha256(name), remedy)
         except CorruptShard:
             downloaded.unlink(missing_ok=True)
             raise

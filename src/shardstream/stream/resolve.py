@@ -1,23 +1,45 @@
-"""From what the user names (Hub id, URL, checkpoint folder or store) to an open, complete store."""
+"""From what the user names (Hub id, URL, checkpoint folder or store) to an open, complete store.
+
+The cache (~/.cache/shardstream/<slug>, or $SHARDSTREAM_CACHE) is keyed by what the source *is*,
+not by how it was typed: a folder's resolved absolute path, a URL, or a Hub id with its revision.
+A cached store whose local source has changed since (shard sizes or dates) is converted again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
-from ..convert import convert
-from ..errors import StoreIncomplete
+from ..convert import check_same_source, convert
+from ..errors import InvalidOption, StoreIncomplete
+from ..sources import HUB_ID, LocalSource
 from ..store import MANIFEST_NAME, Store, load_manifest, open_store
 
 CACHE_ENV = "SHARDSTREAM_CACHE"
+log = logging.getLogger("shardstream.resolve")
 
 
-def default_store_path(source: str) -> Path:
-    """~/.cache/shardstream/<slug> (or $SHARDSTREAM_CACHE/<slug>)."""
+def source_key(source: str, revision: str | None = None) -> str:
+    """A folder's resolved absolute path, a URL as given, or `hf://id@revision`."""
+    if source.startswith(("http://", "https://")):
+        return source.rstrip("/") + "/"
+    path = Path(source).expanduser()
+    hub_id = source.removeprefix("hf://")
+    if source.startswith("hf://") or (not path.exists() and HUB_ID.fullmatch(hub_id)):
+        return f"hf://{hub_id}@{revision or 'main'}"
+    return str(path.resolve())
+
+
+def default_store_path(source: str, revision: str | None = None) -> Path:
+    """~/.cache/shardstream/<name>-<hash of the source key> (or under $SHARDSTREAM_CACHE)."""
     base = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "shardstream")
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", str(source).rstrip("/")).strip("-.") or "model"
-    return base / slug
+    key = source_key(str(source), revision)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "--", key.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
+    return base / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None, **convert_options) -> Store:
@@ -27,11 +49,15 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
     manifest records.
     """
     source = str(source)
-    if store_path is None and (Path(source) / MANIFEST_NAME).is_file():
+    given_store = store_path is None and (Path(source) / MANIFEST_NAME).is_file()
+    if given_store:
         store_path = source
         manifest_source = load_manifest(Path(source)).source
         source = manifest_source or source
-    path = Path(store_path) if store_path is not None else default_store_path(source)
+    cached = store_path is None
+    path = default_store_path(source, convert_options.get("revision")) if cached else Path(store_path)
+    if (path / MANIFEST_NAME).is_file() and not given_store:
+        _check_recorded_source(path, source, cached)
     try:
         return open_store(path)
     except StoreIncomplete:
@@ -39,3 +65,19 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
             raise
     convert(source, path, **convert_options)
     return open_store(path)
+
+
+def _check_recorded_source(path: Path, source: str, cached: bool) -> None:
+    """A store made from other shards, or from this folder before it changed, is not used: the
+    cache's copy is converted again, a store the user named is refused. Hub and URL sources
+    are not asked again (that would need the network each time); their key holds the revision."""
+    local = Path(source).expanduser()
+    if source.startswith(("http://", "https://", "hf://")) or not local.is_dir():
+        return
+    try:
+        check_same_source(path, *LocalSource(local).identity())
+    except InvalidOption:
+        if not cached:
+            raise
+        log.warning("%s changed since it was converted into %s; converting it again.", source, path)
+        shutil.rmtree(path)
