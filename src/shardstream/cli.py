@@ -15,26 +15,29 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import __version__
+from .cli_style import Command, Group
 from .errors import InvalidOption, ShardstreamError
+from .sizes import parse_size
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Run and train large language models on hardware too small for them.")
 console = Console()
 err_console = Console(stderr=True)
 
-SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "T": 10**12, "TB": 10**12}
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"shardstream {__version__}")
+        raise typer.Exit()
 
 
-def parse_size(text: str, option: str) -> int:
-    """'1GB', '500M', '2GiB' or a plain byte count."""
-    cleaned = text.strip().upper().replace(" ", "")
-    number = cleaned.rstrip("KMGTIB")
-    unit = cleaned[len(number):]
-    try:
-        return int(float(number) * SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise InvalidOption(f"{option} takes a size such as 1GB, 500MB or 2GiB, not {text!r}.") from None
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """Options of `shardstream` itself; commands import torch and transformers only when they run."""
 
 
 def _logging(verbose: bool) -> None:
@@ -44,19 +47,19 @@ def _logging(verbose: bool) -> None:
     logging.captureWarnings(True)
 
 
-@app.command()
+@app.command(cls=Command)
 def convert(
     source: Annotated[str, typer.Argument(help="Local folder, HTTP(S) base URL, or Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output store folder.")],
-    sequential: Annotated[bool, typer.Option("--sequential/--no-sequential", help="One shard at a time; deletes each source shard after use.")] = False,
+    sequential: Annotated[bool, typer.Option("--sequential", help="One shard at a time; deletes each source shard after use.")] = False,
     compression: Annotated[str, typer.Option(help="none, 4bit (NF4) or 8bit.")] = "none",
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
     min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
-    layer_memory_warning: Annotated[Optional[str], typer.Option(help="Warn when one buffered layer exceeds this size.")] = None,
+    layer_memory_warning: Annotated[Optional[str], typer.Option(help="Warn when one buffered layer exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
     token: Annotated[Optional[str], typer.Option(help="Hub token.", envvar="HF_TOKEN")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
-    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each shard and part.")] = False,
 ) -> None:
     """Convert a Hugging Face checkpoint into a per-layer store."""
@@ -71,7 +74,7 @@ def convert(
         profiling_mode=profile,
         min_free_space=parse_size(min_free_space, "--min-free-space"),
         layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
-        token=token, revision=revision, progress=progress,
+        token=token, revision=revision, progress=not no_progress,
     )
     console.print(report.summary(), soft_wrap=True, highlight=False)
 
@@ -90,36 +93,46 @@ def _print_sharding(opened) -> None:
         console.print(f"tensor-parallel slices: {count} ranks")
 
 
-@app.command()
+@app.command(cls=Command)
 def inspect(store: Annotated[Path, typer.Argument(help="Store folder.")]) -> None:
-    """List a store's parts: tensors, dtypes, bytes, quantization."""
+    """List a store's parts: tensors, original dtypes, bytes, quantization; name missing files."""
+    from .quant import DTYPES
     from .store import open_store
+    from .store.dtypes import SAFETENSORS_DTYPES
 
     opened = open_store(store, allow_incomplete=True)
     manifest = opened.manifest
+    absent = [name for part in opened.parts for name in manifest.parts[part].files
+              if not opened.remote and not opened.file_path(name).is_file()]
+    state = "incomplete" if not manifest.complete else f"damaged: {len(absent)} missing" if absent else "complete"
     console.print(
         f"[bold]{store}[/bold]  model_type={manifest.config.get('model_type')}  family={manifest.family}  "
         f"compression={manifest.compression or 'none'}  format={manifest.format_version}  "
-        f"{'complete' if manifest.complete else '[red]incomplete[/red]'}"
+        f"{state if state == 'complete' else f'[red]{state}[/red]'}"
     )
-    table = Table("part", "tensors", "dtypes", "bytes", "quantization", "files")
+    table = Table("part", "tensors", "dtypes (original)", "bytes", "quantization", "files")
     for part in opened.parts:
         record = manifest.parts[part]
         tensors = [manifest.tensors[n] for n in record.tensors]
-        dtypes = sorted({(t.quant or {}).get("dtype") or t.dtype for t in tensors})
+        dtypes = sorted({SAFETENSORS_DTYPES[DTYPES[t.quant["dtype"]]] if t.quant else t.dtype for t in tensors})
         quants = sorted({t.quant["method"] for t in tensors if t.quant})
         tied = [n for n, a in manifest.aliases.items() if a["part"] == part]
         count = f"{len(tensors)}" + (f" (+{len(tied)} tied)" if tied else "")
-        table.add_row(part, count, ",".join(dtypes), f"{record.nbytes:,}", ",".join(quants) or "-", str(len(record.files)))
+        gone = sum(name in absent for name in record.files)
+        files = f"{len(record.files)}" + (f" [red]({gone} missing)[/red]" if gone else "")
+        table.add_row(part, count, ",".join(dtypes), f"{record.nbytes:,}", ",".join(quants) or "-", files)
     console.print(table)
     if manifest.sharding:
         _print_sharding(opened)
+    for name in absent:
+        console.print(f"[red]{store / name}: missing[/red]; run `shardstream verify {store}`, then re-run the convert command.",
+                      highlight=False)
     missing = [p for p in manifest.expected_parts if p not in manifest.parts]
     if missing:
         console.print(f"[red]{len(missing)} parts not written yet[/red] (first: {missing[0]}); re-run the convert command.")
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
     parts: Annotated[Optional[str], typer.Option(help="Comma-separated parts to check, e.g. mid/3,end or experts.")] = None,
@@ -127,16 +140,16 @@ def verify(
     """Re-hash every file against the manifest (and the sharding index); exit 1 naming any bad file."""
     import time
 
-    from .shard import verify_experts_and_slices
-    from .store import open_store, verify_store
+    from .store import open_store, verify_sharding, verify_store
 
     started = time.perf_counter()
+    opened = open_store(store, allow_incomplete=True)   # a file or a folder without a store: one sentence
     wanted = parts.split(",") if parts else []
     store_parts = [p for p in wanted if p != "experts"]
     hashed, problems = (0, []) if wanted == ["experts"] else verify_store(store, store_parts or None)
-    opened = open_store(store, allow_incomplete=True)
     if opened.manifest.sharding and (not wanted or "experts" in wanted):
-        problems += verify_experts_and_slices(opened)
+        sliced, more = verify_sharding(opened)
+        hashed, problems = hashed + sliced, problems + more
     seconds = time.perf_counter() - started
     for problem in problems:
         err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]", highlight=False)
@@ -146,7 +159,7 @@ def verify(
     console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
 
 
-@app.command()
+@app.command(cls=Command)
 def shard(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
     tp: Annotated[Optional[int], typer.Option("--tp", help="Write tensor-parallel slices for this many ranks.")] = None,
@@ -172,7 +185,7 @@ def shard(
         console.print(f"tiers: {listed}", soft_wrap=True, highlight=False)
 
 
-@app.command()
+@app.command(cls=Command)
 def relocate(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
     tier: Annotated[str, typer.Option(help="Target tier name.")],
@@ -202,12 +215,12 @@ def _mount_subcommands() -> None:
     from .stream.generate_cli import generate_command
     from .stream.serve_cli import serve_command
 
-    app.command("generate", help="Generate text from a store, streaming layers; tokens print as they come.")(generate_command)
-    app.command("serve", help="Serve a store over an OpenAI-compatible HTTP API.")(serve_command)
+    app.command("generate", cls=Command, help="Generate text from a store, streaming layers; tokens print as they come.")(generate_command)
+    app.command("serve", cls=Command, help="Serve a store over an OpenAI-compatible HTTP API.")(serve_command)
 
-    app.command("agent", help="Run a pipeline agent on this device.")(agent_command)
-    app.command("coordinator", help="Profile agents, plan, ship stages and generate across them.")(coordinator_command)
-    app.command("train", help="Train a causal LM on a dataset streamed in blocks and chunks.")(train_command)
+    app.command("agent", cls=Command, help="Run a pipeline agent on this device.")(agent_command)
+    app.command("coordinator", cls=Command, help="Profile agents, plan, ship stages and generate across them.")(coordinator_command)
+    app.command("train", cls=Command, help="Train a causal LM on a dataset streamed in blocks and chunks.")(train_command)
     app.add_typer(data_app, name="data", help="Inspect and move the training-data tracker.")
 
 
@@ -217,7 +230,7 @@ _mount_subcommands()
 def main() -> None:
     """Console entry point: our errors become one line on stderr and exit code 1."""
     try:
-        app()
+        app(prog_name="shardstream")
     except ShardstreamError as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)

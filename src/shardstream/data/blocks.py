@@ -16,9 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from shardstream.atomic import write_bytes_atomic, write_with_atomic
 from shardstream.data.readers import iter_samples, local_files
@@ -27,6 +25,9 @@ from shardstream.errors import DatasetError
 DEFAULT_SAMPLES_PER_BLOCK = 100_000
 DEFAULT_CHUNK_SIZE = 4000
 INDEX_FORMAT = "shardstream.block_cache"
+
+if TYPE_CHECKING:  # pyarrow loads where blocks are built or read, not for `shardstream --help`
+    import pyarrow as pa
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class BlockManager:
             self._stream = itertools.chain([texts.pop()], stream)
         self._stream_pos = position + len(texts)
         if texts:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
             table = pa.table({"text": pa.array(texts, pa.string())})
             write_with_atomic(self._block_path(len(state["blocks"])), lambda tmp: pq.write_table(table, tmp))
             state["blocks"].append(len(texts))
@@ -134,6 +138,8 @@ class BlockManager:
             info = self.block(block)
             if info is None:
                 raise DatasetError(f"dataset {self.source} has no block {block}; the tracker and data disagree, use a fresh --tracker.")
+            import pyarrow.parquet as pq
+
             self._loaded = (block, pq.read_table(self._block_path(block)))
         table = self._loaded[1]
         start = chunk * self.chunk_size

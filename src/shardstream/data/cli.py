@@ -14,13 +14,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from shardstream.cli_style import Command, Group
 from shardstream.data.blocks import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLES_PER_BLOCK
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import read_state, write_state
 from shardstream.data.config import TrainConfig, default_cache_dir
 from shardstream.errors import InvalidOption
 
-data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True)
+data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True, cls=Group)
 
 
 def _cuda_ids(value: str | None) -> tuple[int, ...]:
@@ -35,23 +36,23 @@ def _cuda_ids(value: str | None) -> tuple[int, ...]:
 def train_command(
     model: Annotated[str, typer.Option(help="Folder with config.json (random init) or a full checkpoint.")],
     dataset_file: Annotated[str, typer.Option(help="A .txt/.jsonl/.parquet/.csv file, a folder of them, or hf://name:config:split.")],
-    output: Annotated[Path, typer.Option(help="Where the checkpoint, tokenizer and chunk_tracker_state.json go.")],
+    output: Annotated[Path, typer.Option(help="Where the checkpoint, optimizer state and chunk_tracker_state.json go; a rerun resumes from them.")],
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer folder or name; default: the --model folder.")] = None,
-    tracker: Annotated[Optional[str], typer.Option(help="Path, sqlite:///path or postgresql://...; default: OUTPUT/chunk_tracker.sqlite.")] = None,
+    tracker: Annotated[Optional[str], typer.Option(help="Path, sqlite:///relative/path, sqlite:////absolute/path or postgresql://...", show_default="OUTPUT/chunk_tracker.sqlite")] = None,
     cache_dir: Annotated[Path, typer.Option(help="Where data blocks are cached.")] = default_cache_dir(),
     text_field: Annotated[str, typer.Option(help="Column or JSON field with the text.")] = "text",
     dataset_chunk_size: Annotated[int, typer.Option(help="Samples per chunk, the unit of claiming.")] = DEFAULT_CHUNK_SIZE,
     samples_per_block: Annotated[int, typer.Option(help="Samples per cached block.")] = DEFAULT_SAMPLES_PER_BLOCK,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for this run (all workers together).")] = None,
-    stop_after_epoch: Annotated[bool, typer.Option(help="Stop when the current epoch is done (the default without --iterate).")] = False,
-    iterate: Annotated[bool, typer.Option(help="Roll into the next epoch when one ends, until --steps.")] = False,
+    stop_after_epoch: Annotated[bool, typer.Option("--stop-after-epoch", help="Stop when the current epoch is done; what happens anyway without --iterate, spelled out.")] = False,
+    iterate: Annotated[bool, typer.Option("--iterate", help="Roll into the next epoch when one ends, until --steps.")] = False,
     batch_size: Annotated[int, typer.Option(help="Samples per step and worker (per rank with --ddp).")] = 4,
     seq_len: Annotated[int, typer.Option(help="Tokens per sample; longer samples are truncated.")] = 128,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 3e-4,
-    parallel_independent: Annotated[bool, typer.Option(help="Each worker trains its own replica on its own chunks (default).")] = False,
+    parallel_independent: Annotated[bool, typer.Option("--parallel-independent", help="Each worker trains its own replica on its own chunks; what happens anyway without --ddp, spelled out.")] = False,
     workers: Annotated[Optional[int], typer.Option(help="Worker processes; default: one per --cuda-ids entry, else 1.")] = None,
     cuda_ids: Annotated[Optional[str], typer.Option(help="GPUs to use, e.g. 0,1.")] = None,
-    ddp: Annotated[bool, typer.Option(help="torch.distributed data parallel (gloo on CPU) instead of independent replicas.")] = False,
+    ddp: Annotated[bool, typer.Option("--ddp", help="torch.distributed data parallel (gloo on CPU) instead of independent replicas.")] = False,
     nproc: Annotated[int, typer.Option(help="Ranks for --ddp.")] = 2,
     lease_seconds: Annotated[float, typer.Option(help="A claimed chunk returns to the pool this long after its last heartbeat.")] = 60.0,
     log_file: Annotated[Optional[Path], typer.Option(help="Metrics as JSON lines.")] = None,
@@ -70,17 +71,21 @@ def train_command(
                       iterate=iterate, batch_size=batch_size, seq_len=seq_len, lr=lr, workers=workers or max(1, len(ids)),
                       cuda_ids=ids, ddp=ddp, nproc=nproc, lease_seconds=lease_seconds, log_file=log_file, seed=seed)
     stats = train(cfg)
-    typer.echo(f"trained {stats['steps_this_run']} steps (tracker total {stats['total_steps']}); epoch {stats['current_epoch']}: "
-               f"{stats['chunks_done']}/{stats['chunks_total']} chunks done; checkpoint in {output}")
+    progress = (f"epoch {stats['current_epoch']}: {stats['chunks_done']}/{stats['chunks_total']} chunks done "
+                f"(tracker total {stats['total_steps']} steps)")
+    if stats["steps_this_run"] == 0:
+        typer.echo(f"trained 0 steps, {output} left as it was; {progress}. Pass --iterate to train the next epoch.")
+        return
+    typer.echo(f"trained {stats['steps_this_run']} steps; {progress}; checkpoint in {output} (a rerun with it resumes there)")
 
 
-TrackerOption = Annotated[str, typer.Option(help="Path, sqlite:///path or postgresql://...")]
+TrackerOption = Annotated[str, typer.Option(help="Path, sqlite:///relative/path, sqlite:////absolute/path or postgresql://...")]
 
 
-@data_app.command("status")
+@data_app.command("status", cls=Command)
 def status_command(tracker: TrackerOption, as_json: Annotated[bool, typer.Option("--json", help="Print raw JSON.")] = False) -> None:
     """Progress of the current epoch, overall and per worker."""
-    with open_tracker(tracker) as t:
+    with open_tracker(tracker, must_exist=True) as t:
         stats = t.get_progress_stats()
     if as_json:
         typer.echo(json.dumps(stats, indent=1))
@@ -97,15 +102,15 @@ def status_command(tracker: TrackerOption, as_json: Annotated[bool, typer.Option
     console.print(table)
 
 
-@data_app.command("export")
+@data_app.command("export", cls=Command)
 def export_command(tracker: TrackerOption, output: Annotated[Path, typer.Option(help="The JSON file to write.")]) -> None:
     """Write the whole tracker to a chunk_tracker_state.json file."""
-    with open_tracker(tracker) as t:
+    with open_tracker(tracker, must_exist=True) as t:
         write_state(output, t.export_state())
     typer.echo(f"wrote {output}")
 
 
-@data_app.command("import")
+@data_app.command("import", cls=Command)
 def import_command(tracker: TrackerOption, state: Annotated[Path, typer.Option(help="A chunk_tracker_state.json file.")]) -> None:
     """Load a chunk_tracker_state.json file into a new, empty tracker."""
     with open_tracker(tracker) as t:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -19,8 +18,10 @@ from pathlib import Path
 import torch
 
 from shardstream import errors
-from shardstream.atomic import fsync_dir, write_with_atomic
-from shardstream.data.model import average_state_dicts, load_model, load_tokenizer
+from shardstream.atomic import write_with_atomic
+from shardstream.data.bundle import model_source, save_bundle, warn_if_tracker_ahead
+from shardstream.data.model import average_state_dicts, check_model_folder, load_tokenizer
+from shardstream.data.readers import local_files, parse_hub
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import STATE_FILENAME, read_state, write_state
 from shardstream.data.config import TrainConfig
@@ -38,12 +39,13 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def prepare_tracker(cfg: TrainConfig) -> None:
-    """Create or check the tracker; a fresh one picks up the data position saved with the --model checkpoint."""
+    """Create or check the tracker; a fresh one picks up the data position saved with the checkpoint it resumes."""
     with open_tracker(cfg.tracker_url) as tracker:
-        saved = Path(cfg.model) / STATE_FILENAME
+        saved = Path(model_source(cfg)) / STATE_FILENAME
         if tracker.is_empty() and saved.is_file():
             tracker.import_state(read_state(saved))
         tracker.setup(cfg.dataset, cfg.samples_per_block, cfg.chunk_size)
+        warn_if_tracker_ahead(cfg, tracker.get_progress_stats()["total_steps"])
 
 
 def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path) -> None:
@@ -68,7 +70,7 @@ def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path) -
         sys.exit(1)
 
 
-def _run_processes(cfg: TrainConfig, budget: Budget, results: Path) -> list[dict[str, torch.Tensor]]:
+def _run_processes(cfg: TrainConfig, budget: Budget, results: Path) -> list[dict]:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_process_main, args=(cfg, i, budget, results), daemon=False) for i in range(cfg.processes)]
     for p in procs:
@@ -101,30 +103,24 @@ def _progress(cfg: TrainConfig, budget: Budget, stop: threading.Event) -> None:
         bar.update(budget.done.value - bar.n)
 
 
-def save_checkpoint(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> None:
-    """save_pretrained (+ tokenizer) into a temp folder, then move each file into --output atomically."""
-    model = load_model(cfg.model, cfg.seed)
-    model.load_state_dict(state)
-    cfg.output.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cfg.output, prefix=".save-"))
-    try:
-        model.save_pretrained(tmp)
-        load_tokenizer(cfg.model, cfg.tokenizer).save_pretrained(tmp)
-        for file in tmp.iterdir():
-            with open(file, "rb+") as handle:
-                os.fsync(handle.fileno())   # durable before it takes the final name
-            os.replace(file, cfg.output / file.name)
-        fsync_dir(cfg.output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def check_inputs(cfg: TrainConfig) -> None:
+    """Everything a user can get wrong, checked before anything is created: options, model folder, dataset, tokenizer."""
+    check_config(cfg)
+    check_model_folder(cfg.model)
+    if cfg.dataset.startswith("hf://"):
+        parse_hub(cfg.dataset)
+    else:
+        local_files(cfg.dataset)
+    load_tokenizer(cfg.model, cfg.tokenizer)
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train until --steps, the end of the epoch, or (with --iterate) forever; returns progress stats."""
-    check_config(cfg)
+    """Train until --steps, the end of the epoch, or (with --iterate) forever; returns progress stats.
+
+    Validates first and creates last; a run that trains no step leaves --output as it was."""
+    check_inputs(cfg)
     prepare_tracker(cfg)
     budget = Budget(cfg.steps)
-    cfg.output.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     bar = threading.Thread(target=_progress, args=(cfg, budget, stop), daemon=True)
     bar.start()
@@ -132,13 +128,17 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.processes == 1 and not cfg.ddp:
             states = [run_independent(cfg, 0, budget)]
         else:
+            cfg.output.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cfg.output, prefix=".workers-") as results:
                 states = _run_processes(cfg, budget, Path(results))
     finally:
         stop.set()
         bar.join()
-    save_checkpoint(cfg, average_state_dicts(states))
     with open_tracker(cfg.tracker_url) as tracker:
-        write_state(cfg.output / STATE_FILENAME, tracker.export_state())
         stats = tracker.get_progress_stats()
+        if budget.done.value:
+            # one optimizer state only when every replica shares it (one worker, or DDP's rank 0)
+            optimizer = states[0]["optimizer"] if len(states) == 1 else None
+            save_bundle(cfg, average_state_dicts([s["model"] for s in states]), optimizer, stats["total_steps"])
+            write_state(cfg.output / STATE_FILENAME, tracker.export_state())
     return {**stats, "steps_this_run": budget.done.value}

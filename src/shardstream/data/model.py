@@ -16,11 +16,16 @@ def has_weights(path: Path) -> bool:
     return any((path / name).exists() for name in WEIGHT_FILES)
 
 
-def load_model(model_path: str, seed: int) -> PreTrainedModel:
-    """Weights when the folder has them, else a random init that is the same for every worker (same seed)."""
+def check_model_folder(model_path: str) -> Path:
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise InvalidOption(f"model folder {model_path} has no config.json; pass --model a folder with config.json or a checkpoint.")
+    return path
+
+
+def load_model(model_path: str, seed: int) -> PreTrainedModel:
+    """Weights when the folder has them, else a random init that is the same for every worker (same seed)."""
+    path = check_model_folder(model_path)
     if has_weights(path):
         return AutoModelForCausalLM.from_pretrained(path)
     torch.manual_seed(seed)

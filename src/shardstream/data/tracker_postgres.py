@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from shardstream.data.tracker import ChunkTracker
+from shardstream.data.tracker_base import ChunkTracker
 from shardstream.errors import TrackerUnavailable
 
 CONNECT_TIMEOUT_S = 5

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shardstream.data.tracker import ChunkTracker
+from shardstream.data.tracker_base import ChunkTracker
 from shardstream.errors import TrackerCorrupt, TrackerUnavailable
 
 BUSY_TIMEOUT_S = 60.0

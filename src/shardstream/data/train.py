@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from shardstream.data.bundle import model_source, read_bundle
 from shardstream.data.claiming import Budget, next_claim
 from shardstream.data.config import TrainConfig
 from shardstream.data.dataset import batches, encode, rank_slice
@@ -46,14 +47,25 @@ def worker_name(index: int) -> str:
 
 
 class Replica:
-    """One model, its optimizer and tokenizer on one device: `step(texts)` is one optimizer step."""
+    """One model, its optimizer and tokenizer on one device: `step(texts)` is one optimizer step.
+
+    Both resume from the bundle in --output when an earlier run left one there."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, wrap=None) -> None:
         self.cfg, self.device = cfg, device
-        self.model = load_model(cfg.model, cfg.seed).to(device).train()
+        self.model = load_model(model_source(cfg), cfg.seed).to(device).train()
         self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
         self.trained = wrap(self.model) if wrap else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        bundle = read_bundle(cfg)
+        if bundle and bundle["optimizer"] is not None:
+            self.optimizer.load_state_dict(bundle["optimizer"])
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr   # this run's --lr, not the saved one
+
+    def state(self) -> dict:
+        """What a worker hands back: its weights and its optimizer's state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def step(self, texts: list[str]) -> tuple[float, int]:
         batch = encode(self.tokenizer, texts, self.cfg.seq_len, self.device)
@@ -95,8 +107,8 @@ def _train_chunk(replica: Replica, tracker: ChunkTracker, claim: Claim, texts: l
     return taken, True
 
 
-def run_independent(cfg: TrainConfig, index: int, budget: Budget) -> dict[str, torch.Tensor]:
-    """One parallel-independent worker until the data or the budget ends; returns its weights."""
+def run_independent(cfg: TrainConfig, index: int, budget: Budget) -> dict:
+    """One parallel-independent worker until the data or the budget ends; returns `Replica.state()`."""
     worker = worker_name(index)
     replica = Replica(cfg, torch.device(cfg.device(index)))
     blocks, log = cfg.block_manager(), MetricsLog(cfg.log_file)
@@ -108,10 +120,10 @@ def run_independent(cfg: TrainConfig, index: int, budget: Budget) -> dict[str, t
             if not go_on:
                 break
     log.close()
-    return replica.model.state_dict()
+    return replica.state()
 
 
-def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict[str, torch.Tensor]:
+def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict:
     """One DDP rank (the process group is already up); rank 0 claims, everyone trains the same chunk."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -157,4 +169,4 @@ def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict[str, torch
     if tracker is not None:
         tracker.close()
     log.close()
-    return replica.model.state_dict()
+    return replica.state()

@@ -1,5 +1,15 @@
-"""Layer-streaming inference: run a model larger than memory one block at a time."""
+"""Layer-streaming inference: run a model larger than memory one block at a time.
 
-from .model import AutoModel, StreamingModel
+`AutoModel` and `StreamingModel` load on first use, so the command modules in this package
+(`cli.py`, `generate_cli.py`, `serve_cli.py`) import without torch and `shardstream --help` stays fast.
+"""
 
 __all__ = ["AutoModel", "StreamingModel"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'shardstream.stream' has no attribute {name!r}")

@@ -6,9 +6,13 @@ Nothing heavy (torch, transformers) is imported at module level, so `shardstream
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+from ..errors import InvalidOption
+from ..sizes import parse_size
 
 if TYPE_CHECKING:
     from .model import StreamingModel
@@ -16,14 +20,28 @@ if TYPE_CHECKING:
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
 StorePath = Annotated[Optional[str], typer.Option("--store-path", help="Where the store lives when converting.")]
 Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.")]
-Device = Annotated[str, typer.Option(help="cpu or cuda.")]
+Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> None:
+    """--device before any weight is read: a typo or a missing GPU is one sentence, not a torch traceback."""
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise InvalidOption(f"--device {device!r} is not a device shardstream runs on; use cpu, cuda or cuda:N.")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidOption(f"--device {device} was given but CUDA is not available here; use --device cpu.")
 
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
-               profile: bool = False) -> StreamingModel:
-    from ..cli import parse_size  # imported here: the main cli imports this module
+               profile: bool = False, progress: bool = True) -> StreamingModel:
+    """Validate the options first (cheap), then load or convert the model."""
+    check_device(device)
+    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
     from .model import AutoModel
 
-    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                     max_resident_memory=budget, profiling_mode=profile)
+                                     max_resident_memory=budget, profiling_mode=profile,
+                                     progress=progress)

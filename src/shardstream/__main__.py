@@ -1,0 +1,5 @@
+"""`python -m shardstream` runs the `shardstream` command."""
+
+from shardstream.cli import main
+
+main()

@@ -1,0 +1,74 @@
+"""The "brain bundle" in --output: checkpoint, optimizer state and step count, saved together.
+
+A run with the same --output resumes from it: the weights and the optimizer continue where the
+last run stopped while the tracker (by default OUTPUT/chunk_tracker.sqlite) continues the data
+position, so model and data never restart apart. The tracker's own state is saved beside it as
+chunk_tracker_state.json. A run that trained no step writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shardstream.atomic import fsync_dir, write_with_atomic
+from shardstream.data.config import TrainConfig
+from shardstream.data.model import has_weights, load_model, load_tokenizer
+from shardstream.errors import InvalidOption
+
+BUNDLE_FILE = "training_state.pt"
+
+
+def bundle_dir(cfg: TrainConfig) -> Path | None:
+    """--output when an earlier run left a bundle there, else None (start from --model)."""
+    if not (cfg.output / BUNDLE_FILE).is_file():
+        return None
+    if not has_weights(cfg.output):
+        raise InvalidOption(f"--output {cfg.output} has {BUNDLE_FILE} but no model weights; move it aside or pass a new --output.")
+    return cfg.output
+
+
+def model_source(cfg: TrainConfig) -> str:
+    """Where the weights to train come from: the bundle in --output if there is one, else --model."""
+    return str(bundle_dir(cfg) or cfg.model)
+
+
+def read_bundle(cfg: TrainConfig) -> dict | None:
+    """{"optimizer": state or None, "total_steps": int} of the bundle in --output, or None."""
+    if bundle_dir(cfg) is None:
+        return None
+    return torch.load(cfg.output / BUNDLE_FILE, weights_only=True)
+
+
+def warn_if_tracker_ahead(cfg: TrainConfig, tracker_steps: int) -> None:
+    """A run that died before saving left steps in the tracker that are not in the weights: say so."""
+    bundle = read_bundle(cfg)
+    if bundle and tracker_steps > bundle["total_steps"]:
+        print(f"warning: the tracker counts {tracker_steps} steps but the checkpoint in {cfg.output} holds "
+              f"{bundle['total_steps']}; "
+              "chunks trained by a run that stopped before saving are not in the weights.", file=sys.stderr)
+
+
+def save_bundle(cfg: TrainConfig, state: dict[str, torch.Tensor], optimizer: dict | None, total_steps: int) -> None:
+    """save_pretrained (+ tokenizer) into a temp folder, each file moved into --output atomically, then the bundle file."""
+    model = load_model(cfg.model, cfg.seed)
+    model.load_state_dict(state)
+    cfg.output.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cfg.output, prefix=".save-"))
+    try:
+        model.save_pretrained(tmp)
+        load_tokenizer(cfg.model, cfg.tokenizer).save_pretrained(tmp)
+        for file in tmp.iterdir():
+            with open(file, "rb+") as handle:
+                os.fsync(handle.fileno())   # durable before it takes the final name
+            os.replace(file, cfg.output / file.name)
+        fsync_dir(cfg.output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    write_with_atomic(cfg.output / BUNDLE_FILE,
+                      lambda tmp_path: torch.save({"optimizer": optimizer, "total_steps": total_steps}, tmp_path))

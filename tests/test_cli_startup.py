@@ -1,0 +1,74 @@
+"""`shardstream --help`, `--version`, `-h` and argument errors answer without loading torch; help reads right."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "transformers", "datasets", "numpy", "safetensors", "fastapi", "pyarrow", "uvicorn")
+# CPU seconds of the child (user + sys): steady under load, where wall time is not. About 0.5 s
+# on the 2-core dev machine under load, 3.9 s when torch and transformers were imported up front.
+CPU_LIMIT_S = 1.0
+WALL_LIMIT_S = 10.0   # only catches a hang or a sleep; a loaded machine stretches wall time many times
+
+
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _shardstream(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `shardstream ARGS`; returns the result, its CPU seconds and its wall seconds."""
+    env = {**os.environ, "COLUMNS": "200"}
+    cpu, start = _cpu_of_children(), time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", *args], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=cwd)
+    return result, _cpu_of_children() - cpu, time.perf_counter() - start
+
+
+def test_building_the_app_imports_nothing_heavy():
+    code = ("import sys, typer; from shardstream.cli import app; typer.main.get_command(app); "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--version"], ["convert", "-h"], ["train", "--help"],
+                                  ["convert"], ["train", "--no-such-flag"]])
+def test_help_version_and_argument_errors_are_fast(args):
+    result, cpu, wall = min((_shardstream(*args) for _ in range(2)), key=lambda r: r[1])  # best of two
+    assert result.returncode in (0, 2), result.stderr
+    assert "Traceback" not in result.stderr
+    assert cpu < CPU_LIMIT_S and wall < WALL_LIMIT_S, f"shardstream {' '.join(args)}: {cpu:.2f} s CPU, {wall:.2f} s wall"
+
+
+def test_version_and_short_help():
+    from shardstream import __version__
+
+    assert _shardstream("--version")[0].stdout.strip() == f"shardstream {__version__}"
+    assert "Usage: shardstream [OPTIONS] COMMAND" in _shardstream("-h")[0].stdout
+
+
+def test_help_shows_usage_names_flags_and_defaults_truthfully():
+    convert = _shardstream("convert", "--help")[0].stdout
+    assert "Usage: shardstream convert [OPTIONS] SOURCE OUT" in convert
+    assert "<bool>" not in convert and "--no-sequential" not in convert
+    assert "(no warning)" in convert  # --layer-memory-warning says what its absence means
+    train = _shardstream("train", "--help")[0].stdout
+    assert "<bool>" not in train
+    for flag in ("--stop-after-epoch", "--parallel-independent", "--iterate", "--ddp"):
+        line = next(line for line in train.splitlines() if f" {flag} " in line)
+        assert "[default:" not in line and f"--no-{flag[2:]}" not in line, line
+
+
+def test_unknown_device_is_one_sentence(tmp_path):
+    result, _, _ = _shardstream("generate", str(tmp_path / "store"), "--prompt", "hi", "--device", "tpu")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "--device 'tpu'" in result.stderr and "cpu, cuda" in result.stderr
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,65 @@
+"""Validate first, create last: a `train` or `data` command that fails leaves nothing behind.
+
+Real `shardstream` subprocesses in a scratch working directory; each checks the message and that
+no file or folder appeared.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest_data import tiny_model, write_txt  # noqa: F401  (fixtures)
+
+from shardstream.data.tracker import open_tracker, sqlite_path
+from shardstream.errors import InvalidOption, TrackerNotFound
+
+CLI = [sys.executable, "-m", "shardstream.cli"]
+
+
+def _fails(cwd: Path, *args: str) -> str:
+    """Run `shardstream ARGS` in `cwd`; it must fail with one line on stderr and exit 1. Returns that line."""
+    result = subprocess.run([*CLI, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def _tree(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+def test_train_with_a_bad_model_or_dataset_creates_nothing(tmp_path, tiny_model):
+    write_txt(tmp_path / "corpus.txt", 16)
+    before = _tree(tmp_path)
+    message = _fails(tmp_path, "train", "--model", "./nomodel", "--dataset-file", "corpus.txt", "--output", "out/a",
+                     "--cache-dir", "cache")
+    assert "nomodel has no config.json" in message
+    message = _fails(tmp_path, "train", "--model", tiny_model, "--dataset-file", "./missing", "--output", "out/a",
+                     "--cache-dir", "cache")
+    assert "dataset file ./missing does not exist" in message
+    assert _tree(tmp_path) == before  # no --output, no tracker, no cache
+
+
+def test_data_status_on_a_missing_tracker_says_so_and_creates_nothing(tmp_path):
+    message = _fails(tmp_path, "data", "status", "--tracker", "./nope/chunk_tracker.sqlite")
+    assert "does not exist" in message and "nope/chunk_tracker.sqlite" in message
+    _fails(tmp_path, "data", "export", "--tracker", "sqlite:///nope/t.sqlite", "--output", "state.json")
+    assert _tree(tmp_path) == set()
+
+
+def test_sqlite_urls_follow_sqlalchemy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_path("sqlite:///data/t.sqlite") == Path("data/t.sqlite")          # three slashes: relative
+    assert sqlite_path("sqlite:////abs/t.sqlite") == Path("/abs/t.sqlite")          # four: absolute
+    assert sqlite_path("runs/t.sqlite") == Path("runs/t.sqlite") and sqlite_path("postgresql://u@h/db") is None
+    for bad in ("sqlite://host/t.sqlite", "sqlite://", "sqlite:///", "mysql://h/db"):
+        with pytest.raises(InvalidOption, match="sqlite:///"):
+            sqlite_path(bad)
+    with pytest.raises(TrackerNotFound, match="does not exist"):
+        open_tracker(f"sqlite:///{tmp_path}/absent.sqlite", must_exist=True)   # sqlite:////tmp/...
+    with open_tracker(f"sqlite:///{tmp_path}/made.sqlite") as tracker:
+        tracker.setup("src", 8, 4)
+    assert (tmp_path / "made.sqlite").is_file() and not (tmp_path / "tmp").exists()
