@@ -1,23 +1,29 @@
-"""Streaming inference speed against the I/O floor and the alternatives, as a markdown table.
+"""Streaming inference against the I/O floor and its peers, and tokens per weight read, as markdown.
 
-The default setting is the one docs/DESIGN.md ("Measuring larger than memory") describes: a
-Llama-shaped ~470 MB fp32 model of 8 blocks (random weights), a 32-token prompt, greedy decode,
-every capped run under `memcap 300M --cold PATH` (the page cache is emptied of PATH's files first
-and capped together with the process, so every token reads its blocks from disk). `--size 1.5gb`
-runs the older ~1.5 GB configuration (hidden 2048, 7 blocks) instead.
+The default setting is docs/DESIGN.md's reference scenario ("Measuring larger than memory"): a
+Llama of 16 fp32 blocks of 45 MB (vocab 512, random weights), a 32-token prompt, greedy decode,
+every run under `memcap 600M --cold PATH` (the page cache is emptied of PATH's files first and
+capped together with the process, so every token reads its streamed blocks from disk).
 
-Each setting runs in its own process: the prompt (prefill tokens/s), then --new-tokens single-token
-steps with the KV cache (decode tokens/s). The I/O floor is the bytes of blocks read per decoded
-token divided by the cold read speed of the store's block files, measured after eviction with large
-`readinto` calls (single- and multi-threaded; the fastest counts). The share of read time hidden
-behind compute comes from the runtime's profiling mode, summed over the decode steps.
+Sections (`--sections`, so that a subset fits in the time at hand):
+- single: per round (`--repeat`), the cold read speed of the block files (the I/O floor: bytes
+  of blocks per token / the best of several sequential readers, with and without O_DIRECT), then
+  each `--modes` setting in its own process: prefill, then --new-tokens decode steps with the KV
+  cache. Shardstream with O_DIRECT (its choice under the cap) and through the page cache, accelerate
+  disk offload, and AirLLM 4.0 when `--airllm` names the python of its own venv.
+- serve: N concurrent greedy requests (`--batches`) to one capped `shardstream serve
+  --max-batch-size`, aggregate completion tokens / wall time.
+- offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
+- quant4: serve and offline on a 4-bit store of the same checkpoint.
+- speculative: `generate --prompt` plain and with `--draft` (tokens per target pass, speed-up).
 
-Run: `.venv/bin/python benchmarks/stream.py [--size 470mb|1.5gb] [--cap 300M,600M]` (needs root for memcap).
+Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4] [--repeat 3]` (root, for memcap).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import mmap
 import os
@@ -35,7 +41,7 @@ from _measure import cpu_model, evict, markdown_table  # noqa: E402
 MEMCAP = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "memcap"
 MB = 1e6
 MiB = 1 << 20
-SIZES = {"470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
+SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
 
 
 def build(args) -> tuple[Path, Path]:
@@ -67,10 +73,12 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    if mode in ("stream", "resident"):
+    if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache (SHARDSTREAM_DIRECT_IO=off)
         from shardstream.stream import AutoModel
 
-        return AutoModel.from_pretrained(store, max_resident_memory=0 if mode == "stream" else "auto",
+        if mode.endswith("-mapped"):
+            os.environ["SHARDSTREAM_DIRECT_IO"] = "off"
+        return AutoModel.from_pretrained(store, max_resident_memory=0 if mode.startswith("stream") else "auto",
                                          profiling_mode=True)
     if mode == "memory":
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -82,6 +90,10 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path):
                       **{f"model.layers.{i}": "disk" for i in range(layers)}}
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, device_map=device_map,
                                                     offload_folder=str(work / "offload")).eval()
+    if mode == "airllm":  # run by the interpreter of a venv holding airllm==4.0.0 (--airllm)
+        from airllm import AutoModel as AirLLMModel
+
+        return AirLLMModel.from_pretrained(str(ckpt), device="cpu", layer_shards_saving_path=str(work / "airllm-layers"))
     raise SystemExit(f"unknown mode {mode}")
 
 
@@ -91,7 +103,7 @@ def run_one(mode: str, args) -> dict:
     ckpt, store = build(args)
     model = open_backend(mode, ckpt, store, ckpt.parent)
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    streaming = mode in ("stream", "resident")
+    streaming = mode.split("-")[0] in ("stream", "resident")
     read = wait = compute = 0.0
     with torch.no_grad():
         started = time.perf_counter()
@@ -111,6 +123,7 @@ def run_one(mode: str, args) -> dict:
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
     if streaming:
         result["resident"] = len(model.resident_blocks)
+        result["direct"] = model._loader.direct
         result["streamed_bytes"] = sum(s.nbytes for i, s in enumerate(model._slots) if i not in model.resident_blocks)
         result["hidden"] = 1.0 - min(wait, read) / read if read else 1.0
         result["read_ms"] = 1e3 * read / args.new_tokens
@@ -171,8 +184,9 @@ def read_speed(paths: list[Path]) -> dict:
 
 # -- the driver ---------------------------------------------------------------------------------
 
-def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, timeout: int = 900) -> dict | str:
-    command = [sys.executable, __file__, *extra, "--hidden", str(args.hidden), "--layers", str(args.layers),
+def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, python: str | None = None) -> dict | str:
+    timeout = args.timeout
+    command = [python or sys.executable, __file__, *extra, "--hidden", str(args.hidden), "--layers", str(args.layers),
                "--vocab", str(args.vocab), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                "--workdir", args.workdir]
     if cap:
@@ -192,28 +206,193 @@ def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, t
     return result
 
 
-def airllm_status() -> str:
+# -- many tokens per weight read: serve, offline batches ------------------------------------------
+
+def with_tokenizer(store: Path) -> None:
+    """serve, generate (and AirLLM, from the checkpoint) need a tokenizer: one token per printable character (ids < 128 < vocab)."""
+    if (store / "tokenizer.json").exists():
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_models import char_tokenizer
+
+    char_tokenizer().save_pretrained(store)
+
+
+def prompts(count: int, length: int) -> list[str]:
+    return [(f"Request {i}: " + "to be or not to be " * length)[:length] for i in range(count)]
+
+
+def post(url: str, body: dict, timeout: float) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
+    """Aggregate decode tok/s of N concurrent greedy requests against one capped `shardstream serve`."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"), "serve",
+               str(store), "--port", str(port), "--max-batch-size", str(max(sizes)), "--quiet", "--no-progress"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base, results = f"http://127.0.0.1:{port}", {}
     try:
-        import airllm  # noqa: F401
-    except ImportError:
-        return "not run: AirLLM/RabbitLLM target CUDA (layer-by-layer GPU inference) and are not installed; this machine is CPU-only"
-    return "installed but not run: its runtime requires CUDA and this machine is CPU-only"
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    return {n: f"server did not start: {server.stderr.read()[-200:]}" for n in sizes}
+                time.sleep(1)
+        for n in sizes:
+            replies: list = [None] * n
+
+            def ask(i: int, text: str) -> None:
+                try:
+                    replies[i] = post(base + "/v1/completions", {"prompt": text, "max_tokens": args.new_tokens,
+                                                                 "temperature": 0}, timeout=args.timeout)
+                except Exception as error:  # reported in the table
+                    replies[i] = str(error)
+
+            threads = [threading.Thread(target=ask, args=(i, t)) for i, t in enumerate(prompts(n, args.prompt))]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            elapsed = time.perf_counter() - started
+            failed = [r for r in replies if not isinstance(r, dict)]
+            tokens = sum(r["usage"]["completion_tokens"] for r in replies if isinstance(r, dict))
+            results[n] = f"{len(failed)} failed: {failed[0][:100]}" if failed else {"tokens": tokens, "seconds": elapsed,
+                                                                                  "tok_s": tokens / elapsed}
+            print(f"serve {n}: {results[n]}", file=sys.stderr, flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return results
+
+
+def offline_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
+    """tok/s of `shardstream generate --prompts-file` with --batch-size N and N prompts (load time included)."""
+    results = {}
+    for n in sizes:
+        work = Path(args.workdir) / f"offline-{store.name}-{n}"
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "prompts.txt").write_text("\n".join(prompts(n, args.prompt)) + "\n")
+        (work / "answers.jsonl").unlink(missing_ok=True)
+        command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"),
+                   "generate", str(store), "--prompts-file", str(work / "prompts.txt"), "--output",
+                   str(work / "answers.jsonl"), "--batch-size", str(n), "--max-new-tokens", str(args.new_tokens),
+                   "--no-progress"]
+        started = time.perf_counter()
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            results[n] = f"timeout ({args.timeout} s)"
+            continue
+        elapsed = time.perf_counter() - started
+        if run.returncode:
+            results[n] = f"failed: {run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else run.returncode}"
+            continue
+        answers = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines() if line.strip()]
+        tokens = sum(next((a[k] for k in ("completion_tokens", "new_tokens", "generated_tokens") if k in a), 0)
+                     for a in answers)
+        results[n] = {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+        print(f"offline {n}: {results[n]}", file=sys.stderr, flush=True)
+    return results
+
+
+def throughput_table(title: str, results: dict[str, dict[int, dict | str]], sizes: list[int]) -> str:
+    header = ["sequences", *[f"{name} tok/s (x one)" for name in results]]
+    rows = []
+    for n in sizes:
+        row = [str(n)]
+        for per_size in results.values():
+            result, one = per_size.get(n), per_size.get(sizes[0])
+            if isinstance(result, dict):
+                ratio = f" ({result['tok_s'] / one['tok_s']:.1f}x)" if isinstance(one, dict) and one["tok_s"] else ""
+                row.append(f"{result['tok_s']:.2f}{ratio}")
+            else:
+                row.append(result or "not run")
+        rows.append(row)
+    return f"{title}\n\n{markdown_table(header, rows)}"
+
+
+def speculative(args, store: Path, cap: str) -> str:
+    """`generate --prompt` plain and with `--draft` (default: the target itself, the ceiling), both capped:
+    wall time (load included), tokens per target pass, and whether the greedy texts agree."""
+    runs = {}
+    for name, extra in (("plain", []), ("draft", ["--draft", args.draft or str(store)])):
+        command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"),
+                   "generate", str(store), "--prompt", prompts(1, args.prompt)[0], "--max-new-tokens",
+                   str(args.new_tokens), "--profile", "--no-progress", *extra]
+        started = time.perf_counter()
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return f"{name}: timeout ({args.timeout} s)"
+        if run.returncode:
+            return f"{name} failed: {(run.stderr.strip().splitlines() or ['?'])[-1][:160]}"
+        passes = re.search(r"([\d.]+) tokens per pass", run.stderr)
+        runs[name] = (run.stdout, time.perf_counter() - started, float(passes.group(1)) if passes else float("nan"))
+    (plain, plain_s, _), (drafted, draft_s, per_pass) = runs["plain"], runs["draft"]
+    return (f"Speculative decoding under memcap {cap}, draft {args.draft or 'the target itself (ceiling)'}: "
+            f"{per_pass:.2f} tokens per target pass, wall time {plain_s:.1f} s plain vs {draft_s:.1f} s with the draft "
+            f"({plain_s / draft_s:.2f}x, load included); greedy text identical: {plain == drafted}.")
+
+
+def quantized_store(args, ckpt: Path) -> Path:
+    from shardstream.convert import convert
+
+    store = ckpt.parent / "store-4bit"
+    if not (store / "manifest.json").exists():
+        convert(ckpt, store, compression="4bit", progress=False)
+    return store
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
+         "resident": "(b) shardstream defaults (resident budget auto)",
+         "resident-mapped": "(b') shardstream defaults, blocks through the page cache (SHARDSTREAM_DIRECT_IO=off)",
+         "stream-mapped": "(a') pure streaming through the page cache (SHARDSTREAM_DIRECT_IO=off)",
+         "accelerate": "(c) accelerate disk offload (offload folder)",
+         "airllm": "(d) AirLLM 4.0 (PyPI, device=\"cpu\", its own venv)",
+         "memory": "(e) transformers, fully in memory"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="470mb",
-                        help="model configuration: 470mb (DESIGN's setting, default) or 1.5gb (hidden 2048, 7 blocks)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="722mb",
+                        help="model: 722mb (DESIGN's reference: 16 blocks of 45 MB, vocab 512; default), 470mb, 1.5gb")
     parser.add_argument("--hidden", type=int, help="override the --size configuration")
     parser.add_argument("--layers", type=int, help="override the --size configuration")
     parser.add_argument("--vocab", type=int, help="override the --size configuration")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--workdir", default="artifacts/bench-stream")
-    parser.add_argument("--cap", default="300M,600M",
-                        help="memcap limits, comma-separated, page cache included (default 300M,600M: DESIGN's cap, "
-                             "and one where the process's own memory (~270 MiB with torch + transformers), the head and two blocks fit)")
-    parser.add_argument("--skip", default="", help="comma-separated settings to leave out, e.g. memory-cold,accelerate-cold")
+    parser.add_argument("--cap", default="600M", help="memcap limit, page cache included (default 600M, DESIGN's)")
+    parser.add_argument("--sections", default="single",
+                        help="comma-separated: single (one stream vs floor and peers), serve, offline, quant4 "
+                             "(serve and offline on a 4-bit store), speculative; default single")
+    parser.add_argument("--modes", default="stream,resident,resident-mapped,accelerate",
+                        help=f"single-stream settings, comma-separated, from {', '.join(NAMES)}")
+    parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32", help="concurrent requests / batch sizes")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds for one child run or one batch")
+    parser.add_argument("--draft", help="draft for the speculative section (default: the target store itself)")
+    parser.add_argument("--airllm", help="python of a venv holding airllm==4.0.0 (row (d)); left out when not given")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--read", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -236,65 +415,72 @@ def main() -> None:
         print(json.dumps(read_speed(files)))
         return
 
-    caps = [c for c in args.cap.split(",") if c]
-    speed = child(args, "--read", cap=caps[0], cold=store)
-    print(f"cold read: {speed}", file=sys.stderr, flush=True)
-    floor = speed["speed"] / per_token if isinstance(speed, dict) else float("nan")
-    skip = set(args.skip.split(",")) - {""}
+    cap, sections = args.cap, set(args.sections.split(","))
     load_before = os.getloadavg()[0]
-    names = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
-             "resident": "(b) shardstream, resident budget auto",
-             "accelerate": "(c) accelerate disk offload (offload folder)",
-             "memory": "(e) transformers, fully in memory"}
-    settings = [(mode, cap) for cap in caps for mode in names] + [(mode, None) for mode in names]
-    results = {}
-    for mode, cap in settings:
-        key = f"{mode}-{'cold' if cap else 'warm'}"
-        cold = store if mode in ("stream", "resident") else ckpt
-        result = "skipped" if key in skip else child(args, "--run", mode, cap=cap, cold=cold if cap else None)
-        if isinstance(result, dict):
-            result["load"] = os.getloadavg()[0]  # other work on the machine skews compute-bound rows
-        results[(mode, cap)] = result
-        print(f"{mode} {cap}: {result}", file=sys.stderr, flush=True)
-    load_after = os.getloadavg()[0]
-
-    print(f"Model: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
+    print(f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/stream.py', *sys.argv[1:]])}`; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n")
+    if "single" in sections:
+        with_tokenizer(ckpt)  # AirLLM loads one
+        single_stream(args, ckpt, store, cap, per_token)
+    sizes = [int(n) for n in args.batches.split(",")]
+    stores = {"fp32": store} | ({"4-bit": quantized_store(args, ckpt)} if "quant4" in sections else {})
+    if sections & {"serve", "offline", "quant4"}:
+        table: dict[str, dict] = {}
+        for name, path in stores.items():
+            with_tokenizer(path)
+            if "serve" in sections or name == "4-bit":
+                table[f"serve {name}"] = serve_throughput(args, path, cap, sizes)
+            if "offline" in sections or name == "4-bit":
+                table[f"offline {name}"] = offline_throughput(args, path, cap, sizes)
+        print(throughput_table(f"Aggregate decode throughput, greedy, {args.new_tokens} new tokens per request, "
+                               f"{args.prompt}-character prompts, under memcap {cap} (cold): serve = N concurrent "
+                               "HTTP requests, wall time of the slowest; offline = `generate --prompts-file` with N "
+                               "prompts and --batch-size N, process wall time (load included).", table, sizes))
+    if "speculative" in sections:
+        with_tokenizer(store)
+        print("\n" + speculative(args, store, cap))
+    print(f"\nModel: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
           f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
-          f"prompt {args.prompt} tokens, greedy decode of {args.new_tokens} tokens; capped runs under `memcap CAP "
-          f"--cold <store or checkpoint>` (page cache included, files evicted first); {os.cpu_count()} CPU cores "
-          f"({cpu_model()}), {platform.machine()}; torch {__import__('torch').__version__}, transformers "
-          f"{__import__('transformers').__version__}; 1-min load average {load_before:.1f} before, {load_after:.1f} after.\n")
-    if isinstance(speed, dict):
-        variants = ", ".join(f"{k}: {v / MiB:.0f}" for k, v in speed["all"].items())
-        print(f"Cold read of the block files (under memcap {caps[0]}, evicted before each variant): "
-              f"**{speed['speed'] / MiB:.0f} MiB/s** ({speed['how']}; all variants in MiB/s: {variants}). "
-              f"I/O floor for pure streaming ({per_token / MB:.0f} MB read per decoded token): **{floor:.2f} tok/s**.\n")
-    else:
-        print(f"cold read: {speed}\n")
-    header = ["setting", "cap", "prefill tok/s", "decode tok/s", "decode / I/O floor", "x accelerate (same cap)",
-              "read hidden (read / wait / compute ms per token)", "resident blocks", "anon MiB", "cgroup peak", "load avg"]
-    rows = []
-    for (mode, cap), result in results.items():
-        label = [names[mode], cap or "none (warm page cache)"]
-        if isinstance(result, str):
-            rows.append(label + [result] + [""] * (len(header) - 3))
-            continue
-        accel = results.get(("accelerate", cap))
-        versus = f"{result['decode'] / accel['decode']:.1f}x" if isinstance(accel, dict) else ""
-        hidden = (f"{100 * result['hidden']:.0f}% ({result['read_ms']:.0f} / {result['wait_ms']:.0f} / "
-                  f"{result['compute_ms']:.0f})" if "hidden" in result else "")
-        rows.append(label + [f"{result['prefill']:.1f}", f"{result['decode']:.2f}", f"{result['decode'] / floor:.2f}",
-                             versus, hidden, str(result.get("resident", "")), str(result.get("anon_mib", "")),
-                             result.get("peak", ""), f"{result['load']:.1f}"])
-    rows.append(["(d) AirLLM / RabbitLLM", "", airllm_status()] + [""] * (len(header) - 3))
+          f"{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch {__import__('torch').__version__}, "
+          f"transformers {__import__('transformers').__version__}; 1-min load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after.")
+
+
+def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> None:
+    """Each round: the cold read speed of the block files (the floor), then every mode, all under `cap`."""
+    modes = [m for m in args.modes.split(",") if m] + (["airllm"] if args.airllm else [])
+    header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
+              "read / wait / compute ms per token", "resident blocks", "O_DIRECT", "cgroup peak", "load avg"]
+    rows, ratios = [], collections.defaultdict(list)
+    for round_ in range(1, args.repeat + 1):
+        speed = child(args, "--read", cap=cap, cold=store)
+        floor = speed["speed"] / per_token if isinstance(speed, dict) else float("nan")
+        print(f"round {round_} cold read: {speed}", file=sys.stderr, flush=True)
+        for mode in modes:
+            cold = store if mode.split("-")[0] in ("stream", "resident") else ckpt.parent if mode == "airllm" else ckpt
+            result = child(args, "--run", mode, cap=cap, cold=cold, python=args.airllm if mode == "airllm" else None)
+            print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
+            if isinstance(result, str):
+                rows.append([str(round_), NAMES[mode], result] + [""] * (len(header) - 3))
+                continue
+            ratios[mode].append(result["decode"] / floor)
+            read = (f"{result['streamed_bytes'] / result['read_ms'] / 1e3:.0f} / {speed['speed'] / MB:.0f}"
+                    if result.get("read_ms") and isinstance(speed, dict) else "")
+            times = (f"{result['read_ms']:.0f} / {result['wait_ms']:.0f} / {result['compute_ms']:.0f}"
+                     if "read_ms" in result else "")
+            rows.append([str(round_), NAMES[mode], f"{result['decode']:.2f}", f"{floor:.2f}",
+                         f"{result['decode'] / floor:.2f}x", read, times, str(result.get("resident", "")),
+                         str(result.get("direct", "")), result.get("peak", ""), f"{os.getloadavg()[0]:.1f}"])
+    if not args.airllm:
+        rows.append(["", NAMES["airllm"], "not run (give --airllm PYTHON: a venv under artifacts/ with "
+                     "`pip install --no-deps airllm==4.0.0`)"] + [""] * (len(header) - 3))
+    print(f"Single stream under memcap {cap} (cold), prompt {args.prompt} tokens, {args.new_tokens} greedy decode "
+          "steps with the KV cache; the I/O floor is the best cold sequential read of the block files "
+          "(see `read_speed`) taken in the same round, one block read per token.\n")
     print(markdown_table(header, rows))
-    for cap in caps:
-        stream, accel = results.get(("stream", cap)), results.get(("accelerate", cap))
-        if isinstance(stream, dict):
-            versus = f", {stream['decode'] / accel['decode']:.1f}x accelerate disk offload" if isinstance(accel, dict) else ""
-            print(f"\nPure streaming, cold, cap {cap}: {stream['decode']:.2f} tok/s = {stream['decode'] / floor:.2f}x the "
-                  f"I/O floor (floor / decode = {floor / stream['decode']:.2f}){versus}; read hidden "
-                  f"{100 * stream['hidden']:.0f}%.")
+    for mode, values in ratios.items():
+        print(f"\n{NAMES[mode]}: decode / floor over {len(values)} round(s): {min(values):.2f}x-{max(values):.2f}x")
+
 
 if __name__ == "__main__":
     main()

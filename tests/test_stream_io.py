@@ -1,0 +1,110 @@
+"""Reading streamed blocks with O_DIRECT (stream/direct.py): same logits as mapping, checksums still
+checked on the first read, quantized stores, and a clean fallback where the filesystem refuses it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from shardstream.convert import convert
+from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.store import open_store
+from shardstream.stream import AutoModel
+from shardstream.stream.direct import ENV, use_direct
+from tiny_models import save_checkpoint
+
+IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
+
+
+def build(folder, compression=None):
+    save_checkpoint("llama", folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", compression=compression, progress=False)
+    return folder / "store"
+
+
+def run(store, mode, monkeypatch):
+    """Logits of a prompt and 3 greedy tokens with pure streaming, and the loader (to see how it read)."""
+    monkeypatch.setenv(ENV, mode)
+    model = AutoModel.from_pretrained(store, max_resident_memory=0)
+    try:
+        logits = model(IDS).logits
+        out = model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return logits, out, model._loader
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("compression", [None, "4bit", "8bit"])
+def test_direct_reads_give_the_same_logits_as_mapping(tmp_path, monkeypatch, compression):
+    store = build(tmp_path, compression)
+    mapped_logits, mapped_out, mapped = run(store, "off", monkeypatch)
+    direct_logits, direct_out, direct = run(store, "on", monkeypatch)
+    assert not mapped.direct and direct.direct  # ext4 (or any disk filesystem) takes O_DIRECT
+    assert 1 <= direct._pool.allocated <= 2  # every block read went into one of two reused buffers
+    assert torch.equal(mapped_logits, direct_logits)
+    assert torch.equal(mapped_out, direct_out)
+
+
+def test_direct_reads_reuse_a_few_buffers(tmp_path, monkeypatch):
+    store = build(tmp_path)
+    _, _, loader = run(store, "on", monkeypatch)
+    blocks = open_store(store).num_layers
+    assert blocks > 2
+    assert loader._pool.allocated == 2  # one block computing + one read ahead, for every pass over every block
+
+
+def test_corrupt_block_fails_its_checksum_on_the_first_direct_read(tmp_path, monkeypatch):
+    store = build(tmp_path)
+    name = open_store(store).manifest.parts["mid/1"].files[0]
+    with open(store / name, "r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    monkeypatch.setenv(ENV, "on")
+    model = AutoModel.from_pretrained(store, max_resident_memory=0)
+    try:
+        with pytest.raises(StoreCorrupt, match=r"fails its checksum; re-run `shardstream convert`"):
+            model(IDS)
+    finally:
+        model.close()
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A real filesystem that refuses O_DIRECT (ramfs); needs root to mount."""
+    mount = tmp_path / "ramfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting ramfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_falls_back_to_mapping_where_o_direct_is_refused(tmp_path, ramfs, monkeypatch):
+    reference = build(tmp_path)
+    store = shutil.copytree(reference, ramfs / "store")
+    expected_logits, expected_out, _ = run(reference, "off", monkeypatch)
+    logits, out, loader = run(store, "on", monkeypatch)
+    assert not loader.direct  # switched to mapping at the first refusal, and stayed there
+    assert torch.equal(logits, expected_logits)
+    assert torch.equal(out, expected_out)
+
+
+def test_auto_keeps_the_page_cache_when_the_blocks_fit(tmp_path, monkeypatch):
+    store = open_store(build(tmp_path))
+    monkeypatch.delenv(ENV, raising=False)
+    assert not use_direct(store)  # a tiny model: a warm page cache beats reading it again
+    assert use_direct(store, "on") and not use_direct(store, "off")
+
+
+def test_unknown_mode_is_refused_with_the_variable_named(tmp_path, monkeypatch):
+    store = open_store(build(tmp_path))
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(InvalidOption, match=r"SHARDSTREAM_DIRECT_IO must be one of auto, on, off, not 'sometimes'"):
+        use_direct(store)
