@@ -2,7 +2,10 @@
 
 Copies the shipped checkpoint (sequential conversion deletes source shards), converts it one shard
 at a time into a layer store, inspects and verifies the store, then streams generated text from it
-layer by layer. The store is cached in the work dir; a second run reuses it.
+layer by layer. Then it converts the shipped draft model and generates again with speculative
+decoding: the draft proposes tokens, one pass over the streamed blocks checks them all, and
+`--profile` reports how many tokens each pass over the weights produced. The stores are cached
+in the work dir; a second run reuses them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "assets" / "demo-model"
+DRAFT = ROOT / "assets" / "demo-draft"
 
 
 def shardstream(*args: str) -> None:
@@ -44,6 +48,11 @@ def main() -> None:
     shardstream("generate", str(store), "--prompt", args.prompt,
                 "--max-new-tokens", str(args.max_new_tokens), "--max-resident-memory", "0",
                 "--temperature", "0.8", "--top-p", "0.95", "--seed", "0")
+    draft = work / "draft-store"
+    if not (draft / "manifest.json").exists() or not json.loads((draft / "manifest.json").read_text()).get("complete"):
+        shardstream("convert", str(DRAFT), str(draft))
+    shardstream("generate", str(store), "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
+                "--max-resident-memory", "0", "--draft", str(draft), "--profile")
 
 
 if __name__ == "__main__":

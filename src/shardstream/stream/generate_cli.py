@@ -1,34 +1,79 @@
-"""`shardstream generate`: one prompt, tokens printed as they come."""
+"""`shardstream generate`: one prompt with tokens printed as they come, or a prompts file answered
+in batches into a JSON-lines file; optionally with a draft model for speculative decoding."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ..errors import InvalidOption
 from .cli import Device, Resident, Source, StorePath, open_model
 
 
 def generate_command(
     source: Source,
-    prompt: Annotated[str, typer.Option(help="Text to continue.")],
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 50,
+    prompt: Annotated[Optional[str], typer.Option(help="Text to continue.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (per prompt).")] = 50,
     temperature: Annotated[float, typer.Option(help="0 = greedy; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id.")] = None,
+    draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: adaptive).")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches.")] = None,
+    output: Annotated[Optional[Path], typer.Option(help="JSON-lines answers of --prompts-file; a rerun resumes it.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.")] = 64,
     max_resident_memory: Resident = "auto",
     device: Device = "cpu",
     store_path: StorePath = None,
-    profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times.")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
 ) -> None:
-    """Generate text from a prompt, printing tokens as they are produced."""
-    from transformers import TextStreamer
+    """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
+    stops = list(stop or [])
+    if (prompt is None) == (prompts_file is None):
+        raise InvalidOption("give either --prompt or --prompts-file (with --output).")
+    if prompts_file is not None:
+        if output is None:
+            raise InvalidOption("--prompts-file needs --output, the .jsonl file the answers go to.")
+        if draft is not None:
+            raise InvalidOption("--draft works with --prompt only: speculative decoding runs one sequence at a "
+                                "time (see docs/STREAMING.md); drop --draft to batch the prompts file.")
+        from .offline import answer_file
 
+        answer_file(source, prompts_file, output, batch_size, dict(
+            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
+            seed, max_resident_memory, device, store_path, not no_progress)
+        return
+    if output is not None:
+        raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
+    _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
+                max_resident_memory, device, store_path, profile, not no_progress)
+
+
+def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
+                max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool) -> None:
+    import sys
+    from contextlib import ExitStack
+
+    from .draft import PassReport, draft_options, open_draft
+    from .stops import stop_streamer
     from .text import encode, load_tokenizer, sampling_options, set_seed
 
-    with open_model(source, store_path, max_resident_memory, device, profile) as model:
+    with ExitStack() as stack:
+        model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
-        options = sampling_options(max_new_tokens, temperature, top_p, tokenizer)
+        options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
+        if stops:
+            options.update(stop_strings=stops, tokenizer=tokenizer)
+        if draft is not None:
+            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress))))
         set_seed(seed)
-        model.generate(**inputs, **options, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+        out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops))
+        if profile:
+            print(PassReport(out.shape[1] - inputs["input_ids"].shape[1], model.forward_passes).line(), file=sys.stderr)

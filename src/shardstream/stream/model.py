@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..errors import InvalidOption, StoreIncomplete, UnsupportedModel
+from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..store import Store
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader, LoadedBlock
@@ -67,6 +67,23 @@ def common_module(names: set[str]) -> str:
     return ".".join(prefix)
 
 
+def check_context(config, length: int, new_tokens: int) -> None:
+    """Refuse a prompt of `length` tokens (plus the tokens to generate) longer than the model's context."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit:
+        return
+    if length > limit:
+        raise InvalidOption(
+            f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
+            f"is {limit}; shorten the prompt."
+        )
+    if length + new_tokens > limit:
+        raise InvalidOption(
+            f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
+            f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
+        )
+
+
 class StreamingModel:
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`)."""
 
@@ -105,6 +122,8 @@ class StreamingModel:
                         else DirectLoader(self._loader.load))
         self._active: tuple[int, LoadedBlock, float, float] | None = None
         self._hooks = list(self.experts.hooks) if self.experts else []
+        self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
+        self._hooks.append(self.model.register_forward_pre_hook(self._count_pass))
         for index in streamed:
             block = self.model.get_submodule(prefixes[index])
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before, index)))
@@ -179,6 +198,9 @@ class StreamingModel:
         self._fill(index, block)
         self._active = (index, block, waited, time.perf_counter())
 
+    def _count_pass(self, module, args) -> None:
+        self.forward_passes += 1
+
     def _after(self, index: int, module, args, output) -> None:
         if self.profiling_mode and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -211,33 +233,40 @@ class StreamingModel:
             return self.model(input_ids=input_ids, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
-        """transformers' `generate`: greedy or sampling, KV cache, attention masks, streamers."""
+        """transformers' `generate`: greedy or sampling, KV cache, attention masks, streamers.
+
+        `assistant_model` (a StreamingModel or any transformers model) turns on transformers' assisted
+        generation: the draft proposes tokens and one pass over the streamed blocks verifies them all.
+        """
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self.check_length(input_ids, new_tokens)
+        if kwargs.get("assistant_model") is not None:
+            kwargs["assistant_model"] = self._assistant(kwargs["assistant_model"], "assistant_tokenizer" in kwargs)
         with self._profiled():
             return self.model.generate(input_ids=input_ids, **kwargs)
 
+    def _assistant(self, draft, own_tokenizer: bool) -> PreTrainedModel:
+        """The transformers model inside a StreamingModel draft (its hooks keep streaming it); a draft
+        with another vocabulary needs transformers' universal assisted decoding (its own tokenizer)."""
+        model = draft.model if isinstance(draft, StreamingModel) else draft
+        if model.config.get_text_config().vocab_size != self.config.get_text_config().vocab_size and not own_tokenizer:
+            raise DraftMismatch(
+                f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from the "
+                f"target's ({self.config.get_text_config().vocab_size}); use a draft with the target's tokenizer, or "
+                "pass tokenizer= and assistant_tokenizer= for transformers' universal assisted decoding."
+            )
+        return model
+
     def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
         """Refuse a prompt (plus the tokens to generate) longer than the model's context."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if input_ids is None or not limit:
-            return
-        length = input_ids.shape[-1]
-        if length > limit:
-            raise InvalidOption(
-                f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
-                f"is {limit}; shorten the prompt."
-            )
-        if length + new_tokens > limit:
-            raise InvalidOption(
-                f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
-                f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
-            )
+        if input_ids is not None:
+            check_context(self.model.config, input_ids.shape[-1], new_tokens)
 
     @contextlib.contextmanager
     def _profiled(self) -> Iterator[None]:
         """Timings of one call; printed to stderr in profiling mode."""
         self.profile.reset()
+        self.forward_passes = 0
         yield
         if self.profiling_mode:
             print(self.profile.table(), file=sys.stderr)

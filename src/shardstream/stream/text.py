@@ -23,26 +23,28 @@ def load_tokenizer(model: StreamingModel) -> PreTrainedTokenizerBase:
         ) from None
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
-    """The tokenizer's chat template when it has one, else 'role: content' lines."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str | None = None) -> str:
+    """The chat template (`template`, else the tokenizer's) applied to the messages. Without one there
+    is no right way to format a chat for this model, so it is refused rather than guessed."""
+    template = template or tokenizer.chat_template
+    if not template:
+        raise InvalidOption("this model has no chat template (chat_template in tokenizer_config.json); "
+                            "start serve with --chat-template FILE, or use /v1/completions.")
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float,
-                     tokenizer: PreTrainedTokenizerBase) -> dict:
-    """generate() keyword arguments; temperature 0 means greedy."""
+                     tokenizer: PreTrainedTokenizerBase, top_k: int = 0) -> dict:
+    """generate() keyword arguments; temperature 0 means greedy, top_k 0 means no top-k cut."""
     if max_new_tokens < 1:
         raise InvalidOption(f"max new tokens must be at least 1, not {max_new_tokens}.")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise InvalidOption(f"temperature must be >= 0 and top_p in (0, 1], not {temperature} and {top_p}.")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise InvalidOption(f"temperature and top_k must be >= 0 and top_p in (0, 1], not {temperature}, {top_k} and {top_p}.")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad)
     if temperature == 0:
         return {**options, "do_sample": False}
-    return {**options, "do_sample": True, "temperature": temperature, "top_p": top_p}
+    return {**options, "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
 
 
 def set_seed(seed: int | None) -> None:

@@ -1,0 +1,60 @@
+"""The draft model of speculative decoding: opened like the target, checked against its tokenizer.
+
+transformers' assisted generation does the work (the draft proposes, one pass over the streamed
+blocks verifies, the standard acceptance rule keeps greedy output identical and sampling unbiased);
+this module only opens the draft, sets how many tokens it proposes and reports what a pass bought.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DraftMismatch, InvalidOption
+from .model import AutoModel, StreamingModel
+from .text import load_tokenizer
+
+
+def open_draft(source: str, device: str, draft_tokens: int | None, progress: bool) -> StreamingModel:
+    """The draft is small: 'auto' keeps all of its blocks in memory when they fit.
+
+    `draft_tokens` None = adaptive (transformers' "heuristic" schedule: +2 after a pass that
+    accepted every draft token, -1 otherwise, starting from 5); N = always propose N."""
+    if draft_tokens is not None and draft_tokens < 1:
+        raise InvalidOption(f"--draft-tokens must be at least 1, not {draft_tokens}.")
+    draft = AutoModel.from_pretrained(source, device=device, max_resident_memory="auto", progress=progress)
+    config = draft.generation_config
+    config.num_assistant_tokens = draft_tokens or 5
+    config.num_assistant_tokens_schedule = "constant" if draft_tokens else "heuristic"
+    config.assistant_confidence_threshold = 0.0 if draft_tokens else config.assistant_confidence_threshold
+    return draft
+
+
+def draft_options(target_tokenizer: PreTrainedTokenizerBase, target: StreamingModel, draft: StreamingModel) -> dict:
+    """generate() keyword arguments for the draft. A draft with another tokenizer goes through
+    transformers' universal assisted decoding, which re-encodes text between the two vocabularies;
+    transformers tells tokenizers apart by vocabulary size only, so one of the same size is refused."""
+    draft_tokenizer = load_tokenizer(draft)
+    if draft_tokenizer.get_vocab() == target_tokenizer.get_vocab():
+        return {"assistant_model": draft}
+    if draft.config.get_text_config().vocab_size == target.config.get_text_config().vocab_size:
+        raise DraftMismatch(
+            f"the draft at {draft.store.root} has another tokenizer than the model but a vocabulary of the same "
+            "size, which transformers' universal assisted decoding cannot tell apart; use a draft with the "
+            "model's tokenizer."
+        )
+    return {"assistant_model": draft, "tokenizer": target_tokenizer, "assistant_tokenizer": draft_tokenizer}
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """New tokens per pass over the target's blocks (each pass reads every streamed block once)."""
+
+    new_tokens: int
+    target_passes: int
+
+    def line(self) -> str:
+        per_pass = self.new_tokens / self.target_passes if self.target_passes else 0.0
+        return (f"{self.new_tokens} new tokens in {self.target_passes} target passes (weight reads): "
+                f"{per_pass:.2f} tokens per pass, {max(self.new_tokens - self.target_passes, 0)} draft tokens accepted")
