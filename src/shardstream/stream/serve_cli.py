@@ -1,11 +1,20 @@
-"""`shardstream serve`: the OpenAI-compatible HTTP API over one streaming model."""
+"""`shardstream serve`: the OpenAI-compatible HTTP API over one streaming model, on the batch engine.
+
+The port is bound before the model loads, so a port in use is said at once, not after a long load.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import socket
+import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ..errors import InvalidOption
 from .cli import Device, Resident, Source, StorePath, open_model
 
 
@@ -13,17 +22,86 @@ def serve_command(
     source: Source,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    model_name: Annotated[Optional[str], typer.Option(help="Model id reported by /v1/models.")] = None,
+    model_name: Annotated[Optional[list[str]], typer.Option(
+        help="Model id(s) clients send as `model` (repeat, or a comma list); the first is reported by "
+             "/v1/models. Default: the source. Any other id is a 404 model_not_found.")] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together (each choice of each "
+                                                     "request is one).")] = 32,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="SHARDSTREAM_API_KEY", help="Require 'Authorization: Bearer KEY' on every path but /health.")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        help="A Jinja chat template file, for a model whose tokenizer has none (else chat is refused).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No line per request.")] = False,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Resident = "auto",
     device: Device = "cpu",
     store_path: StorePath = None,
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    names = [name.strip() for value in (model_name or [source]) for name in value.split(",") if name.strip()]
+    template = _read_template(chat_template)
+    listener = _bind(host, port)
     import uvicorn
 
-    from .server import create_app
+    from ..openai_api import RequestLog
+    from .batching import BatchEngine
+    from .server import _eos_ids, _pad_id, create_app
     from .text import load_tokenizer
 
-    with open_model(source, store_path, max_resident_memory, device) as model:
-        app = create_app(model, load_tokenizer(model), model_name or source)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+    with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress) as model:
+        tokenizer = load_tokenizer(model)
+        engine = BatchEngine(model, eos_token_ids=_eos_ids(model, tokenizer), pad_token_id=_pad_id(tokenizer),
+                             max_batch_size=max_batch_size)
+        app = create_app(model, tokenizer, names[0], engine=engine, aliases=tuple(names[1:]), api_key=api_key,
+                         chat_template=template)
+        _say(f"shardstream serve: listening on http://{host}:{listener.getsockname()[1]} "
+             f"(model {', '.join(names)}; batches of up to {max_batch_size})")
+        server = _server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, lambda *_: setattr(server, "should_exit", True))
+        try:
+            server.run(sockets=[listener])
+        finally:
+            engine.close()
+            _say("shardstream serve: stopped")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after shutting down, which would kill the process before the engine
+        closes and the shutdown line prints; serve handles the signals itself."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as error:
+        listener.close()
+        raise InvalidOption(f"cannot listen on {host}:{port} ({error.strerror}); stop what uses that port or "
+                            "choose another --port.") from None
+    listener.listen(2048)
+    return listener
+
+
+def _read_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise InvalidOption(f"cannot read --chat-template {path} ({error.strerror}); give a readable Jinja file.") from None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

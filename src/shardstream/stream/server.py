@@ -1,162 +1,257 @@
-"""OpenAI-compatible HTTP server over one streaming model.
+"""OpenAI-compatible HTTP server over an engine that runs sequences: `/v1/completions`,
+`/v1/chat/completions` (server-sent events when `stream` is true), `/v1/models`, `/health`.
 
-`/v1/completions`, `/v1/chat/completions` (with server-sent events when `stream` is true) and
-`/v1/models`. One model serves one request at a time (a lock): streaming reads every block per
-token, so concurrent requests would only compete for the same disk. `stop` strings end generation
-(transformers' `StopStringCriteria`) and, as in OpenAI's API, are not part of the returned text.
+No lock: every choice of every request (`n`, prompt lists) is one engine Sequence, and the batch
+engine steps all of them together. `stop` strings are found here, in the decoded text; the sequence
+is then cancelled with reason "stop" and, as in OpenAI's API, the stop string is left out. A client
+that goes away cancels its sequences, so they leave the batch at the next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
-from transformers import PreTrainedTokenizerBase, StoppingCriteriaList, StopStringCriteria, TextIteratorStreamer
+from fastapi.responses import StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
-from ..errors import ShardstreamError
-from .model import StreamingModel
-from .text import chat_prompt, encode, sampling_options, set_seed
+from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest, check_model, install_api_key,
+                          install_errors)
+from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
+from .stops import StopFilter
+from .text import chat_prompt
 
-
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stream: bool = False
-    stop: str | list[str] | None = Field(None, validate_default=True)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("give at most 4 stop strings, none of them empty")
-        return stops
+DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its client is still there
 
 
-class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
+def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine=None,
+               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """`engine` steps the sequences (a BatchEngine); without one, `model.generate()` serves one request
+    at a time (the pipeline coordinator's model)."""
+    if engine is None:
+        from .serial import SerialEngine
 
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
-
-
-def create_app(model: StreamingModel, tokenizer: PreTrainedTokenizerBase, model_id: str) -> FastAPI:
+        engine = SerialEngine(model, eos_token_ids=_eos_ids(model, tokenizer), pad_token_id=_pad_id(tokenizer))
+    served = [model_id, *[alias for alias in aliases if alias != model_id]]
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     app = FastAPI(title="shardstream")
-    lock = threading.Lock()
+    install_errors(app)
+    install_api_key(app, api_key)
 
-    @app.exception_handler(ShardstreamError)
-    async def _user_error(request: Request, error: ShardstreamError) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"error": {"message": str(error), "type": "invalid_request_error"}})
+    @app.get(HEALTH_PATH)
+    def health() -> dict:
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     def models() -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "shardstream"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "shardstream"}
+                                           for name in served]}
 
     @app.post("/v1/completions")
-    def completions(request: CompletionRequest):
-        return _respond(request, request.prompt, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        body.refuse_unsupported()
+        check_model(body.model, served)
+        prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in body.prompts()]
+        _check_tokens(prompts, tokenizer)
+        return await _respond(request, body, prompts, body.max_tokens, _Reply(served[0], chat=False, echo=body.echo),
+                              logprobs=body.logprobs)
 
     @app.post("/v1/chat/completions")
-    def chat(request: ChatRequest):
-        prompt = chat_prompt(tokenizer, [m.model_dump() for m in request.messages])
-        return _respond(request, prompt, chat=True)
+    async def chat(body: ChatRequest, request: Request):
+        body.refuse_unsupported()
+        check_model(body.model, served)
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+        prompt = chat_prompt(tokenizer, messages, chat_template)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None and limit:
+            max_tokens = max(1, limit - len(ids))   # OpenAI's chat default: as much as the context holds
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _respond(request, body, [ids], max_tokens, _Reply(served[0], chat=True), logprobs=logprobs)
 
-    def _respond(request: _Sampling, prompt: str, chat: bool):
-        inputs = encode(tokenizer, prompt)
-        options = sampling_options(request.max_tokens, request.temperature, request.top_p, tokenizer)
-        if request.stop:
-            options["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(tokenizer, request.stop)])
-        model.check_length(inputs["input_ids"], request.max_tokens)
-        reply = _Reply(model_id, chat)
-        if request.stream:
-            return StreamingResponse(_stream(inputs, options, request.seed, reply, _StopFilter(request.stop)),
+    async def _respond(request: Request, body, prompts: list[list[int]], max_tokens: int | None, reply: _Reply,
+                       logprobs: int | None):
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        for ids in prompts:
+            _check_context(len(ids), max_tokens, limit)
+        echo = reply.echo
+        reply.logprobs = logprobs is not None
+        choices = []
+        try:
+            for p, ids in enumerate(prompts):
+                for j in range(body.n):
+                    params = SamplingParams(
+                        max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                        seed=None if body.seed is None else body.seed + j,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                        logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
+                    choices.append(_Choice(len(choices), ids, engine.submit(ids, params), StopFilter(body.stop)))
+        except BaseException:
+            for choice in choices:
+                choice.sequence.cancel()
+            raise
+        usage = _Usage(sum(len(ids) for ids in prompts))
+        request.state.tokens = usage.prompt
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(request, choices, reply, usage, include_usage),
                                      media_type="text/event-stream")
-        with lock:
-            set_seed(request.seed)
-            output = model.generate(**inputs, **options)
-        new = output[0, inputs["input_ids"].shape[1]:]
-        stops = _StopFilter(request.stop)
-        text = stops.feed(tokenizer.decode(new, skip_special_tokens=True)) + stops.flush()
-        return reply.whole(text, _finish(new, tokenizer, stops), inputs["input_ids"].shape[1], len(new))
+        async for choice, event in _events(choices, request):
+            _advance(choice, event, tokenizer)
+        usage.completion = sum(c.count for c in choices)
+        request.state.tokens = usage.total
+        return reply.whole([reply.choice(c, tokenizer) for c in choices], usage)
 
-    def _stream(inputs: dict, options: dict, seed: int | None, reply: _Reply, stops: _StopFilter) -> Iterator[str]:
-        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        failure: list[BaseException] = []
-        output = []
-
-        def run() -> None:
-            with lock:
-                try:
-                    set_seed(seed)
-                    output.append(model.generate(**inputs, **options, streamer=streamer))
-                except Exception as error:  # reported in the stream; the HTTP status is already sent
-                    failure.append(error)
-                    streamer.end()
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        for piece in streamer:
-            if piece := stops.feed(piece):
-                yield _event(reply.chunk(piece, None))
-        worker.join()
-        if failure:
-            yield _event({"error": {"message": str(failure[0]), "type": "server_error"}})
-        else:
-            new = output[0][0, inputs["input_ids"].shape[1]:]
-            yield _event(reply.chunk(stops.flush(), _finish(new, tokenizer, stops)))
+    async def _stream(request: Request, choices: list[_Choice], reply: _Reply, usage: _Usage,
+                      include_usage: bool) -> AsyncIterator[str]:
+        for choice in choices:
+            yield _event(reply.chunk(reply.first_delta(choice, tokenizer)))
+        try:
+            async for choice, event in _events(choices, request, poll=False):
+                piece, entries = _advance(choice, event, tokenizer)
+                if piece or entries or choice.finish:
+                    yield _event(reply.chunk(reply.delta(choice, piece, entries, tokenizer)))
+        except Exception as error:  # the status is already sent: say it in the stream
+            yield _event({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
+        usage.completion = sum(c.count for c in choices)
+        request.state.tokens = usage.total
+        if include_usage:
+            yield _event({**reply.head("chunk"), "choices": [], "usage": usage.body()})
         yield "data: [DONE]\n\n"
 
     return app
 
 
-def _finish(new_tokens, tokenizer: PreTrainedTokenizerBase, stops: _StopFilter) -> str:
-    eos = len(new_tokens) and int(new_tokens[-1]) == tokenizer.eos_token_id
-    return "stop" if eos or stops.stopped else "length"
+def _eos_ids(model, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
-class _StopFilter:
-    """Generated text in, the text to send out: everything before the first stop string. Text
-    that could still turn out to be the start of a stop string is held back until it cannot."""
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pad or 0
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.stopped = False
-        self._held = ""
 
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self._held += text
-        found = [i for i in (self._held.find(stop) for stop in self.stops) if i >= 0]
-        if found:
-            self.stopped = True
-            out, self._held = self._held[:min(found)], ""
-            return out
-        keep = max((len(stop) - 1 for stop in self.stops), default=0)
-        cut = len(self._held) - keep
-        out, self._held = self._held[:max(cut, 0)], self._held[max(cut, 0):]
-        return out
+def _check_tokens(prompts: list[list[int]], tokenizer: PreTrainedTokenizerBase) -> None:
+    vocabulary = len(tokenizer)
+    for ids in prompts:
+        if not ids:
+            raise APIError(400, "prompt is empty; give some text (or token ids) to continue.", "prompt")
+        if max(ids) >= vocabulary:
+            raise APIError(400, f"prompt has token id {max(ids)} but the vocabulary has {vocabulary} tokens.", "prompt")
 
-    def flush(self) -> str:
-        """What was held back, once generation is over without a stop string."""
-        out, self._held = ("" if self.stopped else self._held), ""
-        return out
+
+def _check_context(length: int, max_tokens: int, limit: int | None) -> None:
+    if not limit:
+        return
+    if length >= limit:
+        raise APIError(400, f"the prompt has {length} tokens but this model's context is {limit} tokens; "
+                       "shorten the prompt.", "prompt", "context_length_exceeded")
+    if length + max_tokens > limit:
+        raise APIError(400, f"the prompt has {length} tokens and max_tokens asks for {max_tokens} more, beyond this "
+                       f"model's context of {limit} tokens; set max_tokens to at most {limit - length}.",
+                       "max_tokens", "context_length_exceeded")
+
+
+@dataclass
+class _Choice:
+    """One sequence's progress: tokens so far, text sent, stop strings, logprobs."""
+
+    index: int
+    prompt_ids: list[int]
+    sequence: object
+    stops: StopFilter
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    decoded: int = 0          # characters of decode(ids) already passed to the stop filter
+    text: str = ""            # what the client gets (stop strings left out)
+    finish: str | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class _Usage:
+    prompt: int
+    completion: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion, "total_tokens": self.total}
+
+
+async def _events(choices: list[_Choice], request: Request, poll: bool = True) -> AsyncIterator[tuple[_Choice, TokenEvent]]:
+    """Every choice's events as they come. Each sequence is read in its own thread; when the client
+    disconnects (polled for whole replies; a streamed reply is closed by the server) or the consumer
+    stops, the unfinished sequences are cancelled and leave the batch at the next step."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def pump(choice: _Choice) -> None:
+        try:
+            for event in choice.sequence:
+                loop.call_soon_threadsafe(inbox.put_nowait, (choice, event))
+            loop.call_soon_threadsafe(inbox.put_nowait, (choice, None))
+        except BaseException as error:
+            loop.call_soon_threadsafe(inbox.put_nowait, (choice, error))
+
+    for choice in choices:
+        threading.Thread(target=pump, args=(choice,), daemon=True).start()
+    pending, checked = len(choices), time.monotonic()
+    try:
+        while pending:
+            if poll and time.monotonic() - checked > DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return
+            try:
+                choice, item = await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                continue
+            if item is None:
+                pending -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for choice in choices:
+            if choice.finish is None:
+                choice.sequence.cancel()
+
+
+def _advance(choice: _Choice, event: TokenEvent, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[TokenLogprob]]:
+    """Take one event: the new text to send (stop strings held back or cut) and its logprob entries."""
+    entries = []
+    if event.token != NO_TOKEN:
+        choice.ids.append(event.token)
+        if event.logprob is not None:
+            entries.append(event.logprob)
+            choice.logprobs.append(event.logprob)
+    full = tokenizer.decode(choice.ids, skip_special_tokens=True)
+    ready = full if event.finish_reason or not full.endswith("\ufffd") else full[:choice.decoded]
+    piece = choice.stops.feed(ready[choice.decoded:])
+    choice.decoded = len(ready)
+    if choice.stops.stopped and event.finish_reason is None:
+        choice.sequence.cancel("stop")
+    if event.finish_reason is not None:
+        piece += choice.stops.flush()
+        choice.finish = "stop" if choice.stops.stopped else event.finish_reason
+    choice.text += piece
+    return piece, entries
 
 
 def _event(body: dict) -> str:
@@ -164,26 +259,77 @@ def _event(body: dict) -> str:
 
 
 class _Reply:
-    """OpenAI response bodies for one request: whole, or chunk by chunk."""
+    """OpenAI response bodies for one request: whole, or chunk by chunk; logprobs in each API's shape."""
 
-    def __init__(self, model_id: str, chat: bool):
-        self.model_id = model_id
-        self.chat = chat
+    def __init__(self, model_id: str, chat: bool, echo: bool = False):
+        self.model_id, self.chat, self.echo = model_id, chat, echo
+        self.logprobs = False
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def _body(self, kind: str, choice: dict) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id, "choices": [choice]}
+    def head(self, kind: str) -> dict:
+        name = {"whole": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model_id}
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
-        body = self._body("chat.completion" if self.chat else "text_completion",
-                          {"index": 0, **content, "finish_reason": finish})
-        body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
-        return body
+    def whole(self, choices: list[dict], usage: _Usage) -> dict:
+        return {**self.head("whole"), "choices": choices, "usage": usage.body()}
 
-    def chunk(self, text: str, finish: str | None) -> dict:
-        content = {"delta": {"content": text}} if self.chat else {"text": text, "logprobs": None}
-        return self._body("chat.completion.chunk" if self.chat else "text_completion",
-                          {"index": 0, **content, "finish_reason": finish})
+    def chunk(self, choice: dict) -> dict:
+        return {**self.head("chunk"), "choices": [choice]}
+
+    def choice(self, choice: _Choice, tokenizer: PreTrainedTokenizerBase) -> dict:
+        if self.chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": self._chat_logprobs(choice.logprobs, tokenizer) if self.logprobs else None,
+                    "finish_reason": choice.finish}
+        prefix = tokenizer.decode(choice.prompt_ids) if self.echo else ""
+        entries = list(choice.logprobs)
+        if self.echo and choice.sequence.prompt_logprobs is not None:
+            entries = [*choice.sequence.prompt_logprobs, *entries]
+            tokens = [*choice.prompt_ids, *choice.ids]
+        else:
+            tokens = choice.ids
+        logprobs = self._completion_logprobs(entries, tokens, tokenizer, prefix, 0) \
+            if self.logprobs else None
+        return {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
+                "finish_reason": choice.finish}
+
+    def first_delta(self, choice: _Choice, tokenizer: PreTrainedTokenizerBase) -> dict:
+        """The first chunk of each choice: the assistant role (chat), the echoed prompt (completions)."""
+        if self.chat:
+            return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+        return {"index": choice.index, "text": tokenizer.decode(choice.prompt_ids) if self.echo else "",
+                "logprobs": None, "finish_reason": None}
+
+    def delta(self, choice: _Choice, piece: str, entries: list[TokenLogprob], tokenizer) -> dict:
+        tokens = [e.token for e in entries]
+        if self.chat:
+            logprobs = self._chat_logprobs(entries, tokenizer) if entries else None
+            return {"index": choice.index, "delta": {"content": piece}, "logprobs": logprobs,
+                    "finish_reason": choice.finish}
+        logprobs = self._completion_logprobs(entries, tokens, tokenizer, "", len(choice.text) - len(piece)) \
+            if entries else None
+        return {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": choice.finish}
+
+    @staticmethod
+    def _completion_logprobs(entries: list[TokenLogprob | None], tokens: list[int], tokenizer, prefix: str,
+                             start: int) -> dict:
+        strings = [tokenizer.decode([t]) for t in tokens]
+        offsets, at = [], start
+        for text in strings:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": strings,
+                "token_logprobs": [e.logprob if e else None for e in entries],
+                "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} if e else None for e in entries],
+                "text_offset": offsets}
+
+    @staticmethod
+    def _chat_logprobs(entries: list[TokenLogprob], tokenizer) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}

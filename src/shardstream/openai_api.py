@@ -1,0 +1,247 @@
+"""The OpenAI API surface shared by every server (`serve`, the pipeline coordinator): request models
+with OpenAI's ranges, OpenAI-shaped errors, the API-key check and the per-request log line.
+
+What clients send is answered or refused by name, never silently ignored: unknown fields are
+refused (`extra="forbid"`), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import sys
+import time
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import ShardstreamError
+
+HEALTH_PATH = "/health"
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: a status and `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(status_code=self.status, content=body, headers=headers)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("give at most 4 stop strings, none of them empty")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        """Fields OpenAI accepts that this server does not implement: refused by name."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server; leave it out.", "logit_bias",
+                           "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported by this server; put all the text in prompt.",
+                           "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by this server; ask for n choices instead.",
+                           "best_of", "unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt or any(len(p) == 0 for p in prompt):
+            raise APIError(400, "prompt is empty; give some text (or token ids) to continue.", "prompt")
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{index}].content has a part of type '{part.type}'; this server "
+                                   "takes only text parts.", f"messages[{index}].content", "unsupported_content")
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    """FastAPI's 422 list, said as OpenAI says it: one 400 sentence naming the field."""
+    first = error.errors()[0]
+    kind = first.get("type", "")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop pydantic's union-branch labels ("str", "list[int]", ...) so the param is the field path.
+    path = [part for part in loc if not any(c in part for c in "[]-") and part not in ("str", "int", "function-after")]
+    param = ".".join(path) or None
+    if kind == "json_invalid":
+        return APIError(400, "the request body is not valid JSON; send a JSON object.", None, "invalid_json")
+    if kind == "missing":
+        return APIError(400, f"you must provide a '{param}' parameter.", param, "missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}; this server does not support it.",
+                        param, "unsupported_parameter")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}." if param else f"{message}.", param, "invalid_value")
+
+
+def install_errors(app: FastAPI) -> None:
+    """Every error out of `app` is OpenAI-shaped: validation, bad JSON, unknown paths, our own, crashes."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _validation_error(error).response()
+
+    @app.exception_handler(ShardstreamError)
+    async def _user(request: Request, error: ShardstreamError) -> JSONResponse:
+        return APIError(400, str(error)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, error: Exception) -> JSONResponse:
+        return APIError(500, f"the server failed: {error}", kind="server_error").response()
+
+
+def install_api_key(app: FastAPI, api_key: str | None) -> None:
+    """With a key, every path but the health check wants `Authorization: Bearer KEY` (else 401).
+
+    A plain ASGI middleware: Starlette's `@app.middleware("http")` wraps `receive`, after which the
+    handlers can no longer see a client disconnect."""
+    if api_key:
+        app.add_middleware(_RequireKey, expected=f"Bearer {api_key}".encode())
+
+
+class _RequireKey:
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != HEALTH_PATH:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "incorrect or missing API key; send 'Authorization: Bearer <key>' with the "
+                                 "server's --api-key.", None, "invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def check_model(requested: str | None, served: list[str]) -> None:
+    """OpenAI answers an unknown model with 404 model_not_found; so do we (no model = the served one)."""
+    if requested is not None and requested not in served:
+        raise APIError(404, f"the model '{requested}' does not exist on this server; it serves "
+                       f"{', '.join(served)}.", "model", "model_not_found")
+
+
+class RequestLog:
+    """ASGI middleware printing one line per request: method, path, status, tokens, seconds.
+
+    Handlers report tokens in `request.state.tokens`; the line is printed when the body is done,
+    so a streamed reply is logged when its last event is sent."""
+
+    def __init__(self, app, print_line: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)):
+        self.app = app
+        self.print_line = print_line
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [0]
+        scope.setdefault("state", {})
+
+        async def logged_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                tokens = scope["state"].get("tokens", 0)
+                self.print_line(f"{scope['method']} {scope['path']} {status[0]} {tokens} tokens "
+                                f"{time.monotonic() - start:.2f}s")
+
+        await self.app(scope, receive, logged_send)
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatRequest.model_rebuild()

@@ -1,0 +1,294 @@
+"""`shardstream serve` as a real process on 127.0.0.1, driven by the official `openai` client and raw
+httpx: the OpenAI surface (answered or refused by name), errors, API key, batching, disconnects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from shardstream.stream.stops import StopFilter
+from tiny_models import llama_store_with_tokenizer
+
+KEY = "test-key"
+PROMPT = "Hello, world"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A `shardstream serve` subprocess; its stderr goes to a file the tests read."""
+
+    def __init__(self, store: Path, log: Path, *options: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.process = subprocess.Popen([SHARDSTREAM, "serve", str(store), "--port", str(self.port),
+                                         "--max-resident-memory", "0", "--no-progress", *options],
+                                        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, log.read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start: " + log.read_text())
+
+    def stop(self) -> str:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        return self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return llama_store_with_tokenizer(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    store, reference, tokenizer = tiny
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    served = Served(store, tmp_path_factory.mktemp("log") / "serve.log", "--model-name", "tiny-llama,tiny-alias",
+                    "--api-key", KEY, "--chat-template", str(template), "--max-batch-size", "8")
+    http = httpx.Client(base_url=served.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield served, http, client, reference, tokenizer
+    http.close()
+    served.stop()
+
+
+def _greedy(reference, tokenizer, prompt: str | list[int], new_tokens: int) -> str:
+    ids = torch.tensor([tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_models_health_and_aliases(server):
+    served, http, client, _, _ = server
+    assert [m.id for m in client.models.list()] == ["tiny-llama", "tiny-alias"]
+    assert httpx.get(served.url + "/health").status_code == 200          # no key needed
+    reply = client.completions.create(model="tiny-alias", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert reply.model == "tiny-llama"
+
+
+def test_completion_whole_and_streamed_equal_the_reference(server):
+    _, http, client, reference, tokenizer = server
+    expected = _greedy(reference, tokenizer, PROMPT, 6)
+    whole = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert whole.choices[0].text == expected
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(PROMPT), 6)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+
+
+def test_prompt_forms_and_n_make_one_choice_each(server):
+    _, http, client, reference, tokenizer = server
+    ids = tokenizer("ROMEO:")["input_ids"]
+    forms = {"ROMEO:": 1, ("ROMEO:", "JULIET:"): 2, tuple(ids): 1, (tuple(ids), tuple(ids)): 2}
+    for prompt, count in forms.items():
+        as_json = json.loads(json.dumps(prompt))
+        reply = client.completions.create(model="tiny-llama", prompt=as_json, max_tokens=4, temperature=0, n=2)
+        assert [c.index for c in reply.choices] == list(range(2 * count))
+    reply = client.completions.create(model="tiny-llama", prompt=["ROMEO:", "JULIET:"], max_tokens=4, temperature=0)
+    assert [c.text for c in reply.choices] == [_greedy(reference, tokenizer, p, 4) for p in ["ROMEO:", "JULIET:"]]
+    assert reply.usage.prompt_tokens == len("ROMEO:") + len("JULIET:")
+    sampled = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=1.5, n=3,
+                                        seed=5)
+    again = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=1.5, n=3, seed=5)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in sampled.choices}) > 1
+
+
+def test_logprobs_and_echo_match_transformers_log_softmax(server):
+    _, http, client, reference, tokenizer = server
+    reply = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                      echo=True)
+    choice = reply.choices[0]
+    choice_lp = choice.logprobs
+    prompt = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    ids = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                             pad_token_id=0)
+    assert choice_lp.tokens == [tokenizer.decode([t]) for t in ids[0]]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference(ids).logits[0].float(), -1)
+    assert choice.text.startswith(PROMPT) and choice_lp.token_logprobs[0] is None
+    want = [logprobs[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
+    assert choice_lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    last_top = choice_lp.top_logprobs[-1]
+    best = torch.topk(logprobs[-2], 3)
+    want_top = {tokenizer.decode([t]): v for t, v in zip(best.indices.tolist(), best.values.tolist())}
+    assert last_top == pytest.approx(want_top, abs=1e-4)      # (tokens that decode alike share one key)
+    assert choice_lp.text_offset == [len("".join(choice_lp.tokens[:i])) for i in range(len(choice_lp.tokens))]
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)   # greedy: the best
+
+
+def test_stop_strings_end_generation_and_are_left_out(server):
+    _, http, client, reference, tokenizer = server
+    full = _greedy(reference, tokenizer, PROMPT, 20)
+    stop = full[8:10]
+    want = full[:full.index(stop)]
+    body = dict(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop, "never in the text"])
+    whole = client.completions.create(**body)
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens < 20
+    chunks = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_template_parts_n_and_role_delta(server):
+    _, http, client, reference, tokenizer = server
+    expected = _greedy(reference, tokenizer, "user: Hi\nassistant:", 5)
+    parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    reply = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": parts}],
+                                           max_tokens=5, temperature=0, n=2)
+    assert [c.message.content for c in reply.choices] == [expected, expected]
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=5, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+@pytest.mark.parametrize("path,body,status,param,words", [
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "must provide a 'prompt'"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 5}, 400, "temperature", "less than or equal to 2"),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "end"}, 400, "suffix", "suffix"),
+    ("/v1/completions", {"prompt": "Hi", "best_of": 3}, 400, "best_of", "best_of"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "tools": []}, 400, "tools", "unrecognized request argument supplied: tools"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, 400, "max_tokens", "set max_tokens to at most 62"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 stop strings"),
+    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]},
+     400, "messages[0].content", "type 'image_url'"),
+])
+def test_bad_requests_get_openai_shaped_errors(server, path, body, status, param, words):
+    _, http, _, _, _ = server
+    response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and words in error["message"]
+
+
+def test_invalid_json_and_unknown_model_through_the_client(server):
+    served, http, client, _, _ = server
+    response = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert caught.value.code == "model_not_found"
+
+
+def test_api_key_is_required_when_set(server):
+    served, _, _, _, _ = server
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.get(served.url + "/v1/models", headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_disconnected_client_frees_the_server(server):
+    """n=8 fills the whole batch (--max-batch-size 8): a newcomer waits for a free slot, so it is only
+    fast when the disconnected client's sequences really left the batch."""
+    served, http, _, _, _ = server
+    busy = {"model": "tiny-llama", "prompt": "x", "max_tokens": 62, "temperature": 0, "n": 8}
+    small = {"model": "tiny-llama", "prompt": "y", "max_tokens": 2, "temperature": 0}
+    started = time.monotonic()
+    assert http.post("/v1/completions", json=busy).status_code == 200
+    whole = time.monotonic() - started
+    for stream in (False, True):
+        with httpx.Client(base_url=served.url, headers=http.headers, timeout=whole / 6) as impatient:
+            if stream:   # read the first events, then hang up
+                with impatient.stream("POST", "/v1/completions", json={**busy, "stream": True}) as response:
+                    next(response.iter_lines())
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    impatient.post("/v1/completions", json=busy)
+        started = time.monotonic()
+        assert http.post("/v1/completions", json=small).status_code == 200
+        assert time.monotonic() - started < whole / 2, (stream, whole)
+
+
+def test_concurrent_clients_get_their_own_answers(server):
+    served, http, client, reference, tokenizer = server
+    prompts = [f"{chr(65 + i)}{PROMPT[: i % 7 + 1]}" for i in range(16)]
+    expected = [_greedy(reference, tokenizer, p, 8) for p in prompts]
+
+    def ask(i: int) -> str:
+        if i % 2:
+            chunks = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=8, temperature=0,
+                                               stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+        return client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(ask, range(16))) == expected
+    assert http.get("/health").status_code == 200
+
+
+def test_request_lines_and_a_port_in_use(server, tiny):
+    served, http, client, _, _ = server
+    client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3, temperature=0)
+    log = served.log.read_text()
+    assert f"listening on http://127.0.0.1:{served.port}" in log
+    assert f"POST /v1/completions 200 {len(PROMPT) + 3} tokens" in log
+    store = tiny[0]
+    taken = subprocess.run([SHARDSTREAM, "serve", str(store), "--port", str(served.port)], capture_output=True,
+                           text=True, timeout=60)
+    assert taken.returncode == 1 and "choose another --port" in taken.stderr + taken.stdout
+    assert "Traceback" not in taken.stderr
+
+
+def test_chat_without_a_template_is_refused(tiny, tmp_path):
+    served = Served(tiny[0], tmp_path / "plain.log", "--quiet")
+    try:
+        response = httpx.post(served.url + "/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert response.status_code == 400 and "--chat-template" in response.json()["error"]["message"]
+    finally:
+        log = served.stop()
+    assert "POST" not in log and "stopped" in log
+
+
+def test_stop_filter_holds_back_a_possible_stop_string_across_pieces():
+    stops = StopFilter(["END"])
+    assert [stops.feed(p) for p in ["abcE", "N", "Dxyz", "more"]] == ["ab", "c", "", ""]
+    assert stops.stopped and stops.flush() == ""
+    plain = StopFilter(["END"])
+    assert plain.feed("hello E") + plain.feed("N") + plain.flush() == "hello EN" and not plain.stopped
