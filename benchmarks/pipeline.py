@@ -109,6 +109,7 @@ def main() -> None:
                 measured = " / ".join(f"{(c + hop) * 1e3:.2f}" for c in compute)
                 layout = " + ".join(f"{s.device}:{s.first_layer}-{s.last_layer_exclusive - 1}" for s in stages)
                 rows.append((f"{len(stages)} stage(s)", layout, 1 / step, step * 1e3, f"{hop * 1e3:.2f}", predicted, measured))
+            replan = replan_seconds(pipeline, agents, prompt, args.tokens, expected)
         finally:
             server.stop()
             pipeline.close()
@@ -122,6 +123,28 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, layout, rate, ms, hop, predicted, measured in rows:
         print(f"| {name} | {layout} | {rate:.1f} | {ms:.2f} | {hop} | {predicted} | {measured} |")
+    print(f"\nre-plan after SIGKILL of the last stage's agent (3 stages -> 2; detection + plan + redeploy + replay, "
+          f"kill to next token): {replan:.2f} s; output still token-identical.")
+
+
+def replan_seconds(pipeline: PipelineModel, agents, prompt: torch.Tensor, tokens: int, expected: torch.Tensor) -> float:
+    """SIGKILL the agent of the last stage after 4 new tokens; seconds from the kill to the next token.
+    The memory fraction is raised first so that the two agents left can hold the model."""
+    coordinator = pipeline.coordinator
+    victim = next(agent for agent in agents if agent.name == coordinator.route.plan.stages[-1].device)
+    coordinator.options.mem_fraction = fraction_for(coordinator, 2)
+
+    class KillAfterFour(StepClock):
+        def put(self, value) -> None:
+            super().put(value)
+            if len(self.times) == 4 and victim.process.poll() is None:
+                victim.kill()
+                self._last = time.perf_counter()   # the next token's time counts from the kill
+
+    clock = KillAfterFour(None)
+    out = pipeline.generate(prompt, max_new_tokens=tokens, streamer=clock)
+    assert torch.equal(out, expected) and pipeline.recoveries == 1, "recovery changed the output"
+    return clock.times[4]
 
 
 if __name__ == "__main__":

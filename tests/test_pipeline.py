@@ -7,6 +7,7 @@ plan is deterministic (throughput objective: equal devices split the blocks thre
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -82,6 +83,7 @@ def test_agents_report_capabilities_profiles_and_round_trips(agents):
     capabilities = client.get("/v1/capabilities")
     assert capabilities["name"] == "a" and capabilities["cpu_count"] >= 1 and capabilities["torch"] == torch.__version__
     assert 0 < capabilities["ram_available_bytes"] <= capabilities["ram_total_bytes"]
+    assert capabilities["torch_threads"] == max(1, capabilities["cpu_count"] // 3)   # three agents split the cores
     assert client.post("/v1/profile/matmul", {"size": 64, "repeats": 2})["gflops"] > 0
     assert client.post("/v1/profile/block", {"hidden_size": 32, "intermediate_size": 64})["gflops"] > 0
     net = client.post("/v1/net/ping", {"peers": [agents[1].url, "http://127.0.0.1:9"], "probe_bytes": 2**20})
@@ -267,7 +269,7 @@ def _restart(agent: LocalAgent, folder) -> LocalAgent:
     process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", agent.name,
                                 "--token", TOKEN, "--host", "127.0.0.1", "--port", agent.url.rsplit(":", 1)[1],
                                 "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
-    client, deadline = AgentClient(agent.url, TOKEN), time.monotonic() + 60
+    client, deadline = AgentClient(agent.url, TOKEN), time.monotonic() + 180   # a loaded 2-core machine
     while not ready.exists() or not client.alive(timeout=1.0):
         assert process.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
         time.sleep(0.1)
@@ -282,3 +284,117 @@ def test_when_the_agents_left_cannot_hold_the_model_the_error_says_so(tiny, agen
     left = ", ".join(name for name in coordinator.agents if name != "c")   # b may be gone already
     with pytest.raises(PlanInfeasible, match=rf"agent c was lost and the agents left \({re.escape(left)}\) cannot hold the model: No split"):
         coordinator.recover("c")
+
+
+class KillAt:
+    """A streamer that SIGKILLs an agent once the prompt and `after` new tokens have streamed."""
+
+    def __init__(self, agent: LocalAgent, after: int):
+        self.agent, self.left, self.killed_at = agent, after + 1, None
+
+    def put(self, value):
+        self.left -= 1
+        if self.left == 0:
+            self.agent.kill()
+            self.killed_at = time.monotonic()
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("order", [None, ["c", "a", "b"]], ids=["no-order", "order-c,a,b"])
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
+def test_recovery_keeps_the_pipeline_order(tiny, agents, deployed, tmp_path, order, stage):
+    """SIGKILL the agent of one stage mid-generation: the re-plan keeps the others in --pipeline-order,
+    the text stays identical, and the agent, started again, is taken back in its place."""
+    _, reference, tokenizer = tiny
+    pipeline, _ = deployed
+    coordinator = pipeline.coordinator
+    coordinator.options.pipeline_order, coordinator.options.readmit_after_s = order, 0.0
+    expected_order = order or ["a", "b", "c"]
+    assert [s.device for s in coordinator.deploy().plan.stages] == expected_order
+    victim = next(i for i, a in enumerate(agents) if a.name == expected_order[stage])
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    out = pipeline.generate(ids, max_new_tokens=8, streamer=KillAt(agents[victim], 3))
+    assert torch.equal(out[0], _reference(reference, tokenizer, 8)) and pipeline.recoveries == 1
+    left = [name for name in expected_order if name != agents[victim].name]
+    assert [s.device for s in coordinator.route.plan.stages] == left
+    agents[victim] = _restart(agents[victim], tmp_path)
+    out = pipeline.generate(ids, max_new_tokens=8)
+    assert torch.equal(out[0], _reference(reference, tokenizer, 8))
+    assert agents[victim].name in coordinator.agents and not coordinator.lost
+    used = [expected_order.index(s.device) for s in coordinator.route.plan.stages]
+    assert used == sorted(used)   # the re-admitted agent is back in its place of the order
+
+
+def test_an_agent_reports_its_cgroup_limit_and_max_memory(tmp_path):
+    """A real cgroup (memcap, as Docker sets one): the agent offers what it may use, not the host's RAM."""
+    memcap = Path("/work/shared/tools/memcap")
+    if not memcap.is_file() or not Path("/sys/fs/cgroup/memory").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+        pytest.skip("needs shared/tools/memcap and a cgroup memory controller")
+    reports = {}
+    for label, prefix, extra in [("cgroup", [str(memcap), "700M", "--"], []), ("flag", [], ["--max-memory", "300MiB"])]:
+        ready = tmp_path / f"{label}.json"
+        process = subprocess.Popen([*prefix, sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", label,
+                                    "--token", TOKEN, "--port", "0", "--ready-file", str(ready),
+                                    "--cache-dir", str(tmp_path / label), *extra], stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert process.poll() is None and time.monotonic() < deadline, "the agent did not start"
+                time.sleep(0.1)
+            client = AgentClient(f"http://127.0.0.1:{json.loads(ready.read_text())['port']}", TOKEN)
+            while not client.alive(timeout=1.0):
+                time.sleep(0.1)
+            reports[label] = client.get("/v1/capabilities")
+            client.close()
+        finally:
+            process.terminate()
+            printed = process.communicate(timeout=30)[0]
+        port = json.loads(ready.read_text())["port"]
+        assert f"agent {label} listening on http://127.0.0.1:{port}" in printed   # the default host: loopback only
+        assert re.search(r"GET /v1/capabilities 200 \d+\.\d{3}s", printed)
+        assert printed.endswith(f"agent {label} stopped\n")
+    assert 0 < reports["cgroup"]["ram_available_bytes"] <= 700 * 2**20 < reports["cgroup"]["host_ram_available_bytes"]
+    assert 0 < reports["flag"]["ram_available_bytes"] <= 300 * 2**20
+
+
+def test_serve_port_0_picks_a_free_port_and_prints_it(tiny, agents, tmp_path):
+    store, reference, tokenizer = tiny
+    live = ",".join(a.url for a in agents if a.process.poll() is None)
+    process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "coordinator", "--model", str(store.root),
+                                "--token", TOKEN, "--urls", live, "--context-length", "64", "--probe-bytes", "0",
+                                "--work-dir", str(tmp_path), "--serve-port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        printed = ""
+        while "serving" not in printed:
+            line = process.stdout.readline()
+            assert line, f"the coordinator exited: {printed}"
+            printed += line
+        url = re.search(r"serving /v1/completions on (http://127\.0\.0\.1:\d+) ", printed).group(1)
+        assert not url.endswith(":0")
+        reply = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120).json()
+        expected = tokenizer.decode(_reference(reference, tokenizer, 5)[len(PROMPT):], skip_special_tokens=True)
+        assert reply["choices"][0]["text"] == expected
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_the_cli_samples_with_a_seed_and_stops_at_a_stop_string(tiny, agents, tmp_path, capsys):
+    store, reference, tokenizer = tiny
+    live = ",".join(a.url for a in agents if a.process.poll() is None)
+    texts = []
+    for _ in range(2):
+        coordinator_command(model=store.root, token=TOKEN, urls=live, context_length=4096, work_dir=tmp_path,
+                            probe_bytes=0, generate=PROMPT, max_new_tokens=8, temperature=0.8, top_k=5, seed=7)
+        texts.append(capsys.readouterr())
+    sampled = [t.out.split("(sum of stages)\n", 1)[1] for t in texts]   # after the plan table, whose timings vary
+    assert sampled[0] == sampled[1] and sampled[0].strip() and "exceeds the model's 64 tokens" in texts[0].err
+    greedy = tokenizer.decode(_reference(reference, tokenizer, 8)[len(PROMPT):], skip_special_tokens=True)
+    coordinator_command(model=store.root, token=TOKEN, urls=live, context_length=64, work_dir=tmp_path,
+                        probe_bytes=0, generate=PROMPT, max_new_tokens=8, stop=[greedy[4:6]])
+    assert greedy.index(greedy[4:6]) > 0
+    assert capsys.readouterr().out.split("(sum of stages)\n", 1)[1].rstrip("\n") == greedy[:greedy.index(greedy[4:6])]

@@ -108,3 +108,27 @@ def test_a_stage_package_is_named_by_its_manifest_checksum(stores, tmp_path):
     assert package.stage_id == checksum_bytes(body) and (package.first, package.last) == (1, 3)
     for name, record in json.loads(body)["files"].items():
         assert (package.folder / name).stat().st_size == record["size"]
+
+
+def _tree(root, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_cgroup_headroom_reads_v1_and_v2_at_every_level(tmp_path):
+    """The layouts of a cgroup v2 host (this machine has v1, tested for real in test_pipeline.py)."""
+    from shardstream.pipeline.memory import available_bytes, cgroup_headroom
+
+    v2 = tmp_path / "v2"
+    _tree(v2, {"cgroup.controllers": "cpu memory", "pod/memory.max": "5000\n", "pod/memory.current": "1000\n",
+               "pod/app/memory.max": "max\n", "pod/app/memory.current": "700\n"})
+    _tree(tmp_path, {"v2.cgroup": "0::/pod/app\n", "v1.cgroup": "4:memory:/docker/abc\n2:cpu:/\n"})
+    assert cgroup_headroom(tmp_path / "v2.cgroup", v2) == [4000]
+    v1 = tmp_path / "v1"   # a cgroup namespace: the process's own cgroup is the mount's root; 2**63 means no limit
+    _tree(v1, {"memory/memory.limit_in_bytes": "734003200", "memory/memory.usage_in_bytes": "134003200"})
+    assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == [600_000_000]
+    _tree(v1, {"memory/memory.limit_in_bytes": "9223372036854771712"})
+    assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == []
+    assert available_bytes(123, tmp_path / "v2.cgroup", v2) == 123
+    assert available_bytes(None, tmp_path / "v2.cgroup", v2) == 4000

@@ -12,6 +12,7 @@ import hmac
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,8 @@ class Loaded:
 class Agent:
     """The state behind both planes: the loaded stage, swapped under a lock, and the data thread."""
 
-    def __init__(self, name: str, token: str, cache: Path, data_port: int):
-        self.name, self.token, self.cache = name, token, Path(cache)
+    def __init__(self, name: str, token: str, cache: Path, data_port: int, max_memory: int | None = None):
+        self.name, self.token, self.cache, self.max_memory = name, token, Path(cache), max_memory
         self.loaded: Loaded | None = None
         self._lock = threading.Lock()
         self._context = zmq.Context()
@@ -127,7 +128,8 @@ def _stage_range(folder: Path) -> tuple[int, int]:
     return body["first"], body["last"]
 
 
-def create_agent_app(agent: Agent) -> FastAPI:
+def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
+    """The control plane; with `log_requests`, one line per request on stdout (method, path, status, seconds)."""
     def authorized(request: Request) -> None:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {agent.token}".encode()):
@@ -135,6 +137,15 @@ def create_agent_app(agent: Agent) -> FastAPI:
                                 headers={"WWW-Authenticate": "Bearer"})
 
     app = FastAPI(title=f"shardstream agent {agent.name}", dependencies=[Depends(authorized)])
+
+    if log_requests:
+        @app.middleware("http")
+        async def _log(request: Request, call_next):
+            started = time.perf_counter()
+            response = await call_next(request)
+            print(f"{request.method} {request.url.path} {response.status_code} {time.perf_counter() - started:.3f}s",
+                  flush=True)
+            return response
 
     @app.exception_handler(ShardstreamError)
     async def _user_error(request: Request, error: ShardstreamError) -> JSONResponse:
@@ -149,7 +160,7 @@ def create_agent_app(agent: Agent) -> FastAPI:
 
     @app.get("/v1/capabilities")
     def capabilities() -> dict:
-        return {"name": agent.name, "data_port": agent.data_port, **measure.capabilities()}
+        return {"name": agent.name, "data_port": agent.data_port, **measure.capabilities(agent.max_memory)}
 
     @app.post("/v1/profile/matmul")
     def profile_matmul(request: ProfileRequest) -> dict:

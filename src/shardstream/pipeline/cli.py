@@ -20,25 +20,39 @@ def agent_command(
     name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.")],
     token: Token,
     port: Annotated[int, typer.Option(help="Control-plane HTTP port (0: any free one; see --ready-file).")] = 8008,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface, to serve other machines).")] = "127.0.0.1",
     data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1, or any free one with --port 0).")] = None,
     cache_dir: Annotated[Path, typer.Option(help="Where downloaded stages are kept.")] = Path.home() / ".cache" / "shardstream" / "stages",
     advertise: Annotated[bool, typer.Option("--advertise", help="Announce this agent by mDNS (needs zeroconf).")] = False,
     ready_file: Annotated[Optional[Path], typer.Option(help="Once bound, write {\"port\", \"data_port\"} here as JSON.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads for this agent's stage (default: torch's, one per core); "
+                                                       "agents sharing a host should split its cores.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No line per request (the start and stop lines stay).")] = False,
+    max_memory: Annotated[Optional[str], typer.Option(help="Memory this agent may use at most, e.g. 700MiB or 2GB "
+                                                           "(it also keeps within its cgroup's limit and the host's free RAM).")] = None,
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
+    import signal
     import socket
 
     import uvicorn
     import zmq
 
     from ..atomic import write_json_atomic
+    from ..sizes import parse_size
     from .agent import Agent, create_agent_app
     from .local import follow_parent
 
     follow_parent()
     if not token:
         raise InvalidOption("--token is empty; give the agent a shared secret (or set SHARDSTREAM_TOKEN).")
+    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
+    if threads is not None:
+        if threads < 1:
+            raise InvalidOption(f"--threads must be at least 1, not {threads}.")
+        import torch
+
+        torch.set_num_threads(threads)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -49,7 +63,7 @@ def agent_command(
         data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
     try:
-        agent = Agent(name, token, cache_dir, data_port)
+        agent = Agent(name, token, cache_dir, data_port, limit)
     except zmq.ZMQError as error:
         raise InvalidOption(f"the agent cannot bind its data port {data_port} ({error}); pick another --data-port.") from None
     announcer = None
@@ -60,11 +74,19 @@ def agent_command(
             announcer = announce(name, port, host)
         if ready_file:
             write_json_atomic(ready_file, {"port": port, "data_port": agent.data_port})
-        uvicorn.Server(uvicorn.Config(create_agent_app(agent), log_level="warning")).run(sockets=[listener])
+        typer.echo(f"agent {name} listening on http://{host}:{port} (data port {agent.data_port})")
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal it stopped for:
+            signal.signal(stop_signal, _exit_quietly)          # exit through `finally`, not by the signal
+        uvicorn.Server(uvicorn.Config(create_agent_app(agent, not quiet), log_level="warning")).run(sockets=[listener])
     finally:
         agent.close()
+        typer.echo(f"agent {name} stopped")
         if announcer is not None:
             announcer.close()
+
+
+def _exit_quietly(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def coordinator_command(
@@ -74,22 +96,29 @@ def coordinator_command(
     discover: Annotated[float, typer.Option(help="Also look for agents by mDNS for this many seconds.")] = 0.0,
     pipeline_order: Annotated[Optional[str], typer.Option(help="Comma-separated agent names in stage order.")] = None,
     mem_fraction: Annotated[float, typer.Option(help="Share of each agent's available RAM the plan may use.")] = 0.5,
-    min_prefix: Annotated[int, typer.Option(help="Blocks the first stage holds at least.")] = 0,
+    min_prefix: Annotated[int, typer.Option(help="Blocks the first stage (the one with the embeddings) holds at least, "
+                                                 "on whichever agent it lands: agents early in --pipeline-order may "
+                                                 "still be left out (0: no minimum).")] = 0,
     context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048,
     objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency",
     probe_bytes: Annotated[int, typer.Option(help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20,
     package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
     work_dir: Annotated[Path, typer.Option(help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline"),
-    serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions here and keep running.")] = None,
-    host: Annotated[str, typer.Option(help="Address the coordinator listens on.")] = "0.0.0.0",
+    serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None,
+    host: Annotated[str, typer.Option(help="Address the coordinator listens on (0.0.0.0: every interface; agents fetch "
+                                           "stages from it, so remote agents need it exposed).")] = "127.0.0.1",
     generate: Annotated[Optional[str], typer.Option(help="Generate from this prompt, print it, exit.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 50,
+    temperature: Annotated[float, typer.Option(help="With --generate: 0 = greedy; above 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="With --generate: nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="With --generate: sample from the k most likely tokens; 0 = no limit.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="With --generate: seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="With --generate: end at this text, left out of the output; repeatable.")] = None,
 ) -> None:
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
-    from transformers import TextStreamer
-
     from ..store import open_store
-    from ..stream.text import encode, load_tokenizer, sampling_options
+    from ..stream.stops import stop_streamer
+    from ..stream.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient
     from .coordinator import Coordinator, CoordinatorOptions, advertise_host
     from .discovery import discover as find
@@ -103,16 +132,18 @@ def coordinator_command(
             + (f" (none answered mDNS within {discover:g} s)." if discover else ".")
         )
     store = open_store(model)
+    _warn_on_context_length(store.root, context_length)
     options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
                                  pipeline_order.split(",") if pipeline_order else None, probe_bytes)
     coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
     try:
         coordinator.profile()
-        if not (package or generate or serve_port):
+        serving = serve_port is not None
+        if not (package or generate or serving):
             typer.echo(coordinator.save_plan(list(coordinator.agents)).table())
             return
         pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
-        tokenizer = load_tokenizer(pipeline) if generate or serve_port else None
+        tokenizer = load_tokenizer(pipeline) if generate or serving else None
         server = BackgroundServer(coordinator_app(pipeline, tokenizer, str(model), work_dir / "stages", token),
                                   host, serve_port or 0)
         try:
@@ -120,10 +151,11 @@ def coordinator_command(
             typer.echo(coordinator.deploy().plan.table())
             if generate:
                 inputs = encode(tokenizer, generate)
-                streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-                pipeline.generate(inputs["input_ids"], streamer=streamer,
-                                  **sampling_options(max_new_tokens, 0.0, 1.0, tokenizer))
-            if serve_port:
+                sampling = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
+                set_seed(seed)
+                pipeline.generate(inputs["input_ids"], streamer=stop_streamer(tokenizer, list(stop or [])),
+                                  stop_strings=list(stop or []), tokenizer=tokenizer, **sampling)
+            if serving:
                 typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer token required)")
                 server.wait()
         finally:
@@ -131,6 +163,16 @@ def coordinator_command(
             pipeline.close()
     finally:
         coordinator.close()
+
+
+def _warn_on_context_length(root: Path, context_length: int) -> None:
+    """KV memory is budgeted for --context-length; past the model's own length it buys nothing."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(root), "max_position_embeddings", None)
+    if limit is not None and context_length > limit:
+        typer.echo(f"warning: --context-length {context_length} exceeds the model's {limit} tokens "
+                   f"(max_position_embeddings); memory is budgeted for {context_length}.", err=True)
 
 
 def main() -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 from transformers import AutoConfig
 
-from ..errors import InvalidOption, PlanInfeasible, ShardstreamError
+from ..errors import InvalidOption, PlanInfeasible, ShardstreamError, SourceUnreachable
 from ..store import Store
 from .client import AgentClient
 from .costs import activation_bytes, device_from_profile, model_cost
 from .measure import PROBE_LIMIT
 from .package import package_plan
-from .planner import LAN, Link, Plan, PlanOptions, plan
+from .planner import LAN, Link, Plan, PlanOptions, format_bytes, plan
 
 log = logging.getLogger(__name__)
 PROFILE_BLOCK_LIMIT = 64 * 2**20  # bytes of block-shaped weights a profile may allocate on an agent
@@ -77,6 +77,9 @@ class Coordinator:
                 raise InvalidOption(f"two agents are named {agent.name!r} ({self.agents[agent.name].url}, {agent.url}); "
                                     "start them with different --name.")
             self.agents[agent.name] = agent
+        unknown = [n for n in options.pipeline_order or [] if n not in self.agents]
+        if unknown:
+            raise InvalidOption(f"--pipeline-order names {unknown}, which no agent is called; use {sorted(self.agents)}.")
         self.cost = model_cost(store)
         self.profiles: dict[str, Profile] = {}
         self.lost: dict[str, tuple[AgentClient, float]] = {}   # name -> (client, when to try it again)
@@ -112,10 +115,8 @@ class Coordinator:
         activations = activation_bytes(self.store, self.options.context_length)
         devices = [device_from_profile(n, self.profiles[n].available_bytes, self.profiles[n].gflops,
                                        self.options.mem_fraction, activations) for n in names]
+        # --pipeline-order orders the agents alive now: a lost one is left out, a re-admitted one is back in place
         order = [n for n in (self.options.pipeline_order or names) if n in names]
-        missing = set(self.options.pipeline_order or []) - set(self.agents)
-        if missing:
-            raise InvalidOption(f"--pipeline-order names {sorted(missing)}, which no agent is called; use {sorted(self.agents)}.")
         order += [n for n in names if n not in order]
         # a -> b: half a's measured round trip to b, and the bandwidth b measured fetching from a (else a LAN's)
         links = {(a, b): Link(rtt / 2, self.profiles[b].bandwidth_bytes_per_s.get(a, LAN.bandwidth_bytes_per_s))
@@ -142,14 +143,27 @@ class Coordinator:
         packages = package_plan(self.store, chosen, self.options.work_dir / "stages")
         agents = [self.agents[s.device] for s in chosen.stages]
 
-        def load(pair) -> None:
+        def load(pair) -> SourceUnreachable | None:
             agent, package = pair
             body = {"url": f"{self.stage_url}{package.stage_id}/", "stage_id": package.stage_id,
                     "epoch": epoch, "metadata_only": False}
-            agent.post("/v1/stage/load", body, timeout=600)
+            try:
+                agent.post("/v1/stage/load", body, timeout=600)
+            except SourceUnreachable as error:
+                return error
+            return None
 
         with ThreadPoolExecutor(len(agents)) as pool:
-            list(pool.map(load, zip(agents, packages)))
+            failed = list(pool.map(load, zip(agents, packages)))
+        for stage, agent, error in zip(chosen.stages, agents, failed):
+            if error is not None and not agent.alive(timeout=2.0):
+                log.warning("agent %s died while loading its stage (%s of its %s budget): the connection dropped "
+                            "and it no longer answers, as when a process is killed by a signal (the kernel's "
+                            "out-of-memory killer sends SIGKILL); re-planning without it",
+                            agent.name, format_bytes(stage.memory_bytes), format_bytes(stage.budget_bytes))
+                return self.recover(agent.name)
+            if error is not None:
+                raise error
         endpoints = [f"tcp://{a.host}:{self.profiles[a.name].data_port}" for a in agents]
         self.route = Route(epoch, chosen, agents, endpoints)
         return self.route

@@ -15,8 +15,8 @@ import uuid
 
 import torch
 import zmq
-from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
 from .coordinator import Coordinator, Route
@@ -59,15 +59,19 @@ class PipelineModel:
                                 f"pipeline's --context-length of {limit}; ask for fewer tokens or re-plan with more.")
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, streamer=None,
-                 stopping_criteria: StoppingCriteriaList | None = None, **ignored) -> torch.Tensor:
-        """Prompt + new tokens, [1, n]; stops at an end-of-sequence token, or when `stopping_criteria`
-        says so, like transformers does. (`attention_mask`, `pad_token_id`: one unpadded sequence
-        needs neither.)"""
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, streamer=None,
+                 stopping_criteria: StoppingCriteriaList | None = None, stop_strings: list[str] | None = None,
+                 tokenizer=None, **ignored) -> torch.Tensor:
+        """Prompt + new tokens, [1, n]; stops at an end-of-sequence token, a stop string (with
+        `tokenizer`), or when `stopping_criteria` says so, like transformers does. (`attention_mask`,
+        `pad_token_id`: one unpadded sequence needs neither.)"""
         if input_ids.shape[0] != 1:
             raise InvalidOption(f"the pipeline generates one sequence at a time, not a batch of {input_ids.shape[0]}.")
         self.check_length(input_ids, max_new_tokens)
-        warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)] if do_sample else [])
+        if stop_strings:
+            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), StopStringCriteria(tokenizer, stop_strings)])
+        warpers = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+        warp = LogitsProcessorList(warpers if do_sample else [])
         tokens = input_ids[0].tolist()
         if streamer is not None:
             streamer.put(input_ids.cpu())

@@ -41,16 +41,18 @@ class LocalAgent:
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 300.0,
                  advertise: bool = False) -> list[LocalAgent]:
     """Start one agent process per name (all at once; announced by mDNS with `advertise`), then
-    wait until each answers its health check. Each agent binds free ports itself and reports them
-    in a ready file, so no port can be taken between choosing and binding it."""
+    wait until each answers its health check. They split the host's cores (`--threads`), so they
+    do not oversubscribe it. Each agent binds free ports itself and reports them in a ready file,
+    so no port can be taken between choosing and binding it."""
     folder.mkdir(parents=True, exist_ok=True)
+    threads = str(max(1, (os.cpu_count() or 1) // len(names)))   # agents on one host split its cores
     started = []
     for name in names:
         log, ready = folder / f"{name}.log", folder / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         command = [sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
                    "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-                   "--cache-dir", str(folder / name)] + (["--advertise"] if advertise else [])
+                   "--cache-dir", str(folder / name), "--threads", threads] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                        env={**os.environ, PARENT_ENV: str(os.getpid())})

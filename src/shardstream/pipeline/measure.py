@@ -10,8 +10,11 @@ import httpx
 import psutil
 import torch
 
+from .memory import available_bytes
 
-def capabilities() -> dict:
+
+def capabilities(max_memory: int | None = None) -> dict:
+    """What the machine offers; ram_available_bytes is what this agent may use (see memory.py)."""
     memory = psutil.virtual_memory()
     accelerators = [
         {"type": "cuda", "name": torch.cuda.get_device_name(i), "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
@@ -20,7 +23,8 @@ def capabilities() -> dict:
     if torch.backends.mps.is_available():
         accelerators.append({"type": "mps", "name": "Apple GPU"})
     return {
-        "cpu_count": os.cpu_count(), "ram_total_bytes": memory.total, "ram_available_bytes": memory.available,
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "ram_total_bytes": memory.total, "ram_available_bytes": available_bytes(max_memory),
+        "host_ram_available_bytes": memory.available,
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "accelerators": accelerators,
     }

@@ -1,0 +1,58 @@
+"""The memory an agent may really use: the host's available RAM, capped by its cgroup (as Docker,
+Kubernetes and `memcap` set one) and by `--max-memory`. Reporting the host's RAM inside a 700 MiB
+container gets the agent a stage the kernel then kills it for loading.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_bytes(max_memory: int | None = None, proc_cgroup: Path = Path("/proc/self/cgroup"),
+                    root: Path = CGROUP_ROOT) -> int:
+    """min(host available, cgroup limit minus usage at every level of this process's cgroup, max_memory)."""
+    limits = [psutil.virtual_memory().available, *cgroup_headroom(proc_cgroup, root)]
+    if max_memory is not None:
+        limits.append(max_memory)
+    return max(0, min(limits))
+
+
+def cgroup_headroom(proc_cgroup: Path, root: Path) -> list[int]:
+    """Limit minus usage for each memory-limited cgroup from this process's up to the root (v1 or v2)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:   # "ID:controllers:path"; v2 is "0::path"
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return _headroom(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+    v2 = [path for _, controllers, path in (line.split(":", 2) for line in lines) if controllers == ""]
+    if v2 and (root / "cgroup.controllers").is_file():
+        return _headroom(root, v2[0], "memory.max", "memory.current")
+    return []
+
+
+def _headroom(mount: Path, path: str, limit_file: str, usage_file: str) -> list[int]:
+    found, folder = [], mount / path.lstrip("/")
+    if not folder.is_dir():   # a cgroup namespace: our own cgroup is the mount's root
+        folder = mount
+    while True:
+        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
+        if limit is not None and usage is not None and limit < 2**60:   # v1 writes "no limit" as ~2**63
+            found.append(limit - usage)
+        if folder == mount:
+            return found
+        folder = folder.parent
+
+
+def _read_int(file: Path) -> int | None:
+    try:
+        text = file.read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
