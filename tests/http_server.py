@@ -76,6 +76,10 @@ class _FileHandler(BaseHTTPRequestHandler):
         self._reply(status, {**headers, "Accept-Ranges": "bytes"}, data[start:end], send_body)
 
     def _reply(self, status: int, headers: dict[str, str], body: bytes, send_body: bool) -> None:
+        # Logged before the reply goes out: a client that has its answer must find the request in the log.
+        self.server.log.append(
+            LoggedRequest(self.command, self.path, self.headers.get("Range"), status, len(body) if send_body else 0)
+        )
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
@@ -83,9 +87,6 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if send_body:
             self.wfile.write(body)
-        self.server.log.append(
-            LoggedRequest(self.command, self.path, self.headers.get("Range"), status, len(body) if send_body else 0)
-        )
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shardstream.errors import InvalidOption
@@ -43,6 +45,21 @@ def test_generate_command_refuses_a_prompt_beyond_the_context(tiny):
     store, _, _ = tiny
     with pytest.raises(InvalidOption, match="context"):
         generate_command(str(store), prompt="x" * 70, max_new_tokens=2)
+
+
+def test_a_long_prompt_gets_our_error_without_transformers_warning_first(tiny, capfd, caplog):
+    """transformers warns "Token indices sequence length is longer..." when a tokenizer with a
+    model_max_length encodes a longer text; our own context check says what to do, so only it speaks."""
+    store, _, _ = tiny
+    config = store / "tokenizer_config.json"
+    original = config.read_text()
+    config.write_text(json.dumps({**json.loads(original), "model_max_length": 64}))
+    try:
+        with pytest.raises(InvalidOption, match="context"):
+            generate_command(str(store), prompt="x" * 70, max_new_tokens=2)
+    finally:
+        config.write_text(original)
+    assert "Token indices sequence length" not in capfd.readouterr().err + caplog.text
 
 
 def test_generate_command_stops_at_a_stop_string_and_leaves_it_out(tiny, capsys):

@@ -15,12 +15,16 @@ from .model import StreamingModel
 def load_tokenizer(model: StreamingModel) -> PreTrainedTokenizerBase:
     """The tokenizer files the converter copied into the store."""
     try:
-        return AutoTokenizer.from_pretrained(model.store.root)
+        tokenizer = AutoTokenizer.from_pretrained(model.store.root)
     except (OSError, ValueError) as error:
         raise StoreIncomplete(
             f"the store at {model.store.root} has no usable tokenizer files ({error}); "
             "copy tokenizer.json and tokenizer_config.json from the checkpoint into it."
         ) from None
+    # Prompt length is checked against the model's context by us, with a message that says what to do;
+    # transformers' own "Token indices sequence length is longer..." warning would only come first.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str | None = None) -> str:
