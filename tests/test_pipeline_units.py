@@ -118,7 +118,7 @@ def _tree(root, files: dict[str, str]) -> None:
 
 def test_cgroup_headroom_reads_v1_and_v2_at_every_level(tmp_path):
     """The layouts of a cgroup v2 host (this machine has v1, tested for real in test_pipeline.py)."""
-    from shardstream.pipeline.memory import available_bytes, cgroup_headroom
+    from shardstream.memory import available_bytes, cgroup_headroom
 
     v2 = tmp_path / "v2"
     _tree(v2, {"cgroup.controllers": "cpu memory", "pod/memory.max": "5000\n", "pod/memory.current": "1000\n",

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import torch
 
-from .memory import available_bytes
+from ..memory import available_bytes
 
 
 def capabilities(max_memory: int | None = None) -> dict:

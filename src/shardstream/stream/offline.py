@@ -211,7 +211,7 @@ def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, 
     Ends with a line of throughput on stderr (a per-block table per batch step would drown it)."""
     from .batching import BatchEngine
     from .cli import open_model
-    from .text import load_tokenizer, sampling_options
+    from .text import eos_ids, load_tokenizer, pad_id, sampling_options
 
     if batch_size < 1:
         raise InvalidOption(f"--batch-size must be at least 1, not {batch_size}.")
@@ -229,11 +229,8 @@ def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, 
             except InvalidOption as error:
                 raise InvalidOption(f"{prompts_file} prompt {prompt.index}: {error}") from None
             lengths.append(ids.shape[1])
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | (
-            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        engine = BatchEngine(model, eos_token_ids=eos_ids, pad_token_id=pad or 0, max_batch_size=batch_size)
+        engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
+                             max_batch_size=batch_size)
         try:
             bar = run_batch(prompts, done, Answerer(engine, tokenizer, defaults, seed), engine.close, output,
                             batch_size, lengths, progress)

@@ -8,38 +8,20 @@ exactly k hits per token, which is the best any policy can do for this pattern.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import psutil
 
 from ..errors import InvalidOption
+from ..memory import cgroup_headroom
 
 AUTO_SHARE = 0.75  # of the memory available once the fixed parts are loaded; the rest is slack for the page cache, KV cache and activations
 
 
 def available_memory() -> tuple[int, bool]:
-    """RAM this process may still use, and whether a cgroup (container) cap set it: psutil's
-    figure, or less when the cgroup's limit minus its usage is smaller."""
-    available, capped = psutil.virtual_memory().available, False
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return available, capped
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "memory":  # cgroup v1
-            folder, limit_file, usage_file = Path("/sys/fs/cgroup/memory" + path), "memory.limit_in_bytes", "memory.usage_in_bytes"
-        elif controllers == "":  # cgroup v2
-            folder, limit_file, usage_file = Path("/sys/fs/cgroup" + path), "memory.max", "memory.current"
-        else:
-            continue
-        try:
-            limit, usage = (folder / limit_file).read_text().strip(), int((folder / usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) - usage < available:
-            available, capped = max(0, int(limit) - usage), True
-    return available, capped
+    """RAM this process may still use, and whether a cgroup (container) cap set it."""
+    host = psutil.virtual_memory().available
+    headroom = min(cgroup_headroom(), default=host)
+    return (max(0, headroom), True) if headroom < host else (host, False)
 
 
 def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int) -> int:

@@ -45,12 +45,12 @@ def serve_command(
 
     from ..openai_api import RequestLog
     from .batching import BatchEngine
-    from .server import _eos_ids, _pad_id, create_app
-    from .text import load_tokenizer
+    from .server import create_app
+    from .text import eos_ids, load_tokenizer, pad_id
 
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress) as model:
         tokenizer = load_tokenizer(model)
-        engine = BatchEngine(model, eos_token_ids=_eos_ids(model, tokenizer), pad_token_id=_pad_id(tokenizer),
+        engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
         app = create_app(model, tokenizer, names[0], engine=engine, aliases=tuple(names[1:]), api_key=api_key,
                          chat_template=template)

@@ -25,7 +25,7 @@ from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest,
                           install_errors)
 from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter
-from .text import chat_prompt
+from .text import chat_prompt, eos_ids, pad_id
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its client is still there
@@ -38,7 +38,7 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
     if engine is None:
         from .serial import SerialEngine
 
-        engine = SerialEngine(model, eos_token_ids=_eos_ids(model, tokenizer), pad_token_id=_pad_id(tokenizer))
+        engine = SerialEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer))
     served = [model_id, *[alias for alias in aliases if alias != model_id]]
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     app = FastAPI(title="shardstream")
@@ -127,17 +127,6 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         yield "data: [DONE]\n\n"
 
     return app
-
-
-def _eos_ids(model, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-
-
-def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return pad or 0
 
 
 def _check_tokens(prompts: list[list[int]], tokenizer: PreTrainedTokenizerBase) -> None:

@@ -44,11 +44,23 @@ def sampling_options(max_new_tokens: int, temperature: float, top_p: float,
         raise InvalidOption(f"max new tokens must be at least 1, not {max_new_tokens}.")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise InvalidOption(f"temperature and top_k must be >= 0 and top_p in (0, 1], not {temperature}, {top_k} and {top_p}.")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad)
+    options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id(tokenizer))
     if temperature == 0:
         return {**options, "do_sample": False}
     return {**options, "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+
+
+def eos_ids(model, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token that ends a sequence: the generation config's EOS ids and the tokenizer's."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its EOS, else 0."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pad or 0
 
 
 def set_seed(seed: int | None) -> None:

@@ -1,6 +1,7 @@
-"""The memory an agent may really use: the host's available RAM, capped by its cgroup (as Docker,
-Kubernetes and `memcap` set one) and by `--max-memory`. Reporting the host's RAM inside a 700 MiB
-container gets the agent a stage the kernel then kills it for loading.
+"""The memory this process may really use: the host's available RAM, capped by its cgroup (as
+Docker, Kubernetes and `memcap` set one) and by an explicit limit. Shared by the streaming runtime's
+budgets and the pipeline agent's report: the host's RAM inside a 700 MiB container is a lie that
+ends with the kernel killing the process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def available_bytes(max_memory: int | None = None, proc_cgroup: Path = Path("/pr
     return max(0, min(limits))
 
 
-def cgroup_headroom(proc_cgroup: Path, root: Path) -> list[int]:
+def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> list[int]:
     """Limit minus usage for each memory-limited cgroup from this process's up to the root (v1 or v2)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
