@@ -40,13 +40,13 @@ def store_files(root: Path) -> dict[str, bytes]:
     return files
 
 
-def kill_after(events: int, args: list[str], cwd: Path) -> int:
-    """Start a conversion and SIGKILL it right after its `events`-th logged step."""
+def kill_after(events: int, args: list[str], cwd: Path, kinds: tuple[str, ...] = EVENTS) -> int:
+    """Start a conversion and SIGKILL it right after its `events`-th logged step of these kinds."""
     proc = subprocess.Popen([*CLI, *args, "-v", "--no-progress"], cwd=cwd,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen = 0
     for line in proc.stderr:
-        if any(e in line for e in EVENTS):
+        if any(e in line for e in kinds):
             seen += 1
             if seen == events:
                 proc.send_signal(signal.SIGKILL)
