@@ -15,7 +15,9 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   --max-batch-size`, aggregate completion tokens / wall time.
 - offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
 - quant4: serve and offline on a 4-bit store of the same checkpoint.
-- speculative: `generate --prompt` plain and with `--draft` (tokens per target pass, speed-up).
+- speculative: `generate --prompt` plain and with `--draft`, on the demo pair with its target widened to
+  the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
+  computes the target's own function).
 
 Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4] [--repeat 3]` (root, for memcap).
 """
@@ -38,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import cpu_model, evict, markdown_table  # noqa: E402
 
-MEMCAP = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "memcap"
+ROOT = Path(__file__).resolve().parents[1]
+MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
 MB = 1e6
 MiB = 1 << 20
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
@@ -240,8 +243,10 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
         port = probe.getsockname()[1]
     command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"), "serve",
                str(store), "--port", str(port), "--max-batch-size", str(max(sizes)), "--quiet", "--no-progress"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base, results = f"http://127.0.0.1:{port}", {}
+    log = Path(args.workdir) / f"serve-{store.parent.name}-{store.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+    base, results, seen = f"http://127.0.0.1:{port}", {}, 0
     try:
         deadline = time.time() + 300
         while True:
@@ -250,7 +255,7 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
                 break
             except OSError:
                 if server.poll() is not None or time.time() > deadline:
-                    return {n: f"server did not start: {server.stderr.read()[-200:]}" for n in sizes}
+                    return {n: f"server did not start: {log.read_text()[-200:]}" for n in sizes}
                 time.sleep(1)
         for n in sizes:
             replies: list = [None] * n
@@ -273,6 +278,12 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
             tokens = sum(r["usage"]["completion_tokens"] for r in replies if isinstance(r, dict))
             results[n] = f"{len(failed)} failed: {failed[0][:100]}" if failed else {"tokens": tokens, "seconds": elapsed,
                                                                                   "tok_s": tokens / elapsed}
+            lines = log.read_text().splitlines()
+            bound, seen = batch_bound(lines[seen:]), len(lines)
+            if isinstance(results[n], dict):
+                results[n]["bound"] = bound
+            elif server.poll() is not None:
+                results[n] = "server killed (out of memory)" if server.returncode in (-9, 137) else results[n]
             print(f"serve {n}: {results[n]}", file=sys.stderr, flush=True)
     finally:
         server.terminate()
@@ -281,6 +292,16 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
         except subprocess.TimeoutExpired:
             server.kill()
     return results
+
+
+def batch_bound(lines: list[str]) -> str:
+    """Which bound limited the batch, from serve's "batch limited by ...: R running, A admitted" lines:
+    "memory at B" (B = the largest batch it allowed), "max_batch_size", or "none" (every request joined)."""
+    found = [re.search(r"batch limited by (memory|max_batch_size)\S*.*?: (\d+) running, (\d+) admitted", line)
+             for line in lines]
+    found = [m for m in found if m]
+    memory = [int(m[2]) + int(m[3]) for m in found if m[1] == "memory"]
+    return f"memory at {max(memory)}" if memory else "max_batch_size" if found else "none"
 
 
 def offline_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
@@ -322,34 +343,103 @@ def throughput_table(title: str, results: dict[str, dict[int, dict | str]], size
             result, one = per_size.get(n), per_size.get(sizes[0])
             if isinstance(result, dict):
                 ratio = f" ({result['tok_s'] / one['tok_s']:.1f}x)" if isinstance(one, dict) and one["tok_s"] else ""
-                row.append(f"{result['tok_s']:.2f}{ratio}")
+                bound = f", batch bound: {result['bound']}" if result.get("bound", "none") != "none" else ""
+                row.append(f"{result['tok_s']:.2f}{ratio}{bound}")
             else:
                 row.append(result or "not run")
         rows.append(row)
     return f"{title}\n\n{markdown_table(header, rows)}"
 
 
-def speculative(args, store: Path, cap: str) -> str:
-    """`generate --prompt` plain and with `--draft` (default: the target itself, the ceiling), both capped:
-    wall time (load included), tokens per target pass, and whether the greedy texts agree."""
-    runs = {}
-    for name, extra in (("plain", []), ("draft", ["--draft", args.draft or str(store)])):
-        command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"),
-                   "generate", str(store), "--prompt", prompts(1, args.prompt)[0], "--max-new-tokens",
-                   str(args.new_tokens), "--profile", "--no-progress", *extra]
+def speculative(args, cap: str) -> str:
+    """The demo pair at the reference scale, under `cap`: plain decoding, then with the shipped draft
+    (adaptive and each fixed `--draft-tokens`), then the ceiling (a draft that computes the target's
+    own function: the demo model itself). Wall time (load included), tokens per target pass, and
+    whether each greedy text equals the plain one."""
+    work = Path(args.workdir)
+    target = convert_once(demo_at_scale(work / "demo-1152-l16" / "ckpt"), work / "demo-1152-l16" / "store")
+    draft = convert_once(ROOT / "assets" / "demo-draft", work / "demo-draft-store")
+    ceiling = convert_once(ROOT / "assets" / "demo-model", work / "demo-store")
+    fixed = [int(k) for k in args.draft_tokens.split(",") if k]
+    settings = [("plain", [])] + [(f"shipped draft, {f'{k} tokens' if k else 'adaptive'}", ["--draft", str(draft)] +
+                                   (["--draft-tokens", str(k)] if k else [])) for k in [0, *fixed]]
+    settings += [(f"ceiling (the demo model as draft), {fixed[-1]} tokens",
+                  ["--draft", str(ceiling), "--draft-tokens", str(fixed[-1])])] if fixed else []
+    rows, plain = [], None
+    for name, extra in settings:
+        command = [str(MEMCAP), cap, "--cold", str(target), "--", str(Path(sys.executable).parent / "shardstream"),
+                   "generate", str(target), "--prompt", "ROMEO:\n", "--max-new-tokens", str(args.spec_tokens),
+                   "--profile", "--no-progress", *extra]
         started = time.perf_counter()
         try:
             run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            return f"{name}: timeout ({args.timeout} s)"
+            rows.append([name, f"timeout ({args.timeout} s)", "", "", ""])
+            continue
+        seconds = time.perf_counter() - started
         if run.returncode:
-            return f"{name} failed: {(run.stderr.strip().splitlines() or ['?'])[-1][:160]}"
+            rows.append([name, f"failed: {(run.stderr.strip().splitlines() or ['?'])[-1][:120]}", "", "", ""])
+            continue
         passes = re.search(r"([\d.]+) tokens per pass", run.stderr)
-        runs[name] = (run.stdout, time.perf_counter() - started, float(passes.group(1)) if passes else float("nan"))
-    (plain, plain_s, _), (drafted, draft_s, per_pass) = runs["plain"], runs["draft"]
-    return (f"Speculative decoding under memcap {cap}, draft {args.draft or 'the target itself (ceiling)'}: "
-            f"{per_pass:.2f} tokens per target pass, wall time {plain_s:.1f} s plain vs {draft_s:.1f} s with the draft "
-            f"({plain_s / draft_s:.2f}x, load included); greedy text identical: {plain == drafted}.")
+        plain = plain or (run.stdout, seconds)
+        rows.append([name, passes.group(1) if passes else "1.00", f"{seconds:.1f}", f"{plain[1] / seconds:.2f}x",
+                     "yes" if run.stdout == plain[0] else "**no**"])
+    return (f"Speculative decoding under memcap {cap} (cold), greedy, {args.spec_tokens} new tokens after \"ROMEO:\\n\". "
+            "Target: the demo model at the reference scale (hidden 1152, 16 fp32 blocks of 46 MB: the demo's 6 "
+            "blocks with zero-padded widths, 10 more blocks whose output projections are zero, so it computes "
+            "the demo model's function and the shipped draft keeps its real acceptance rate). Draft: "
+            "assets/demo-draft (3.7 MB), held in memory.\n\n"
+            + markdown_table(["setting", "tokens per target pass", "wall s", "speed-up", "text = plain"], rows))
+
+
+def demo_at_scale(ckpt: Path) -> Path:
+    """The demo model widened to the benchmark's block size without changing what it computes: its
+    widths are zero-padded (norm weights and eps rescaled so RMSNorm over the wider, zero-padded
+    vector gives the same values) and the extra blocks add nothing (zero o_proj and down_proj)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (ckpt / "config.json").exists():
+        return ckpt
+    demo = AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "demo-model", dtype=torch.float32)
+    small = demo.config
+    config = small.__class__.from_dict(small.to_dict())
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.layer_types = 1152, 3200, 16, None
+    config.rms_norm_eps = small.rms_norm_eps * small.hidden_size / config.hidden_size  # rsqrt(c m + c eps) = rsqrt(c) rsqrt(m + eps)
+    torch.manual_seed(0)
+    wide = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights, h = demo.state_dict(), small.hidden_size
+    with torch.no_grad():
+        for name, p in wide.named_parameters():
+            parts = name.split(".")
+            if parts[1] == "layers" and int(parts[2]) >= small.num_hidden_layers:
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+                continue
+            s = weights[name]
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+                p[:, h:] = 0
+                p[: s.shape[0], :h] = s
+                continue
+            p.zero_()
+            if name.endswith("norm.weight"):
+                p[:h] = s * (h / config.hidden_size) ** 0.5
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p[:h, : s.shape[1]] = s
+            else:   # embed_tokens, lm_head
+                p[:, :h] = s
+    wide.save_pretrained(ckpt, max_shard_size="500MB")
+    AutoTokenizer.from_pretrained(ROOT / "assets" / "demo-model").save_pretrained(ckpt)
+    demo.generation_config.save_pretrained(ckpt)
+    return ckpt
+
+
+def convert_once(source: Path, store: Path) -> Path:
+    from shardstream.convert import convert
+
+    if not (store / "manifest.json").exists():
+        convert(source, store, progress=False)
+    return store
 
 
 def quantized_store(args, ckpt: Path) -> Path:
@@ -391,7 +481,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
     parser.add_argument("--batches", default="1,2,4,8,16,32", help="concurrent requests / batch sizes")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for one child run or one batch")
-    parser.add_argument("--draft", help="draft for the speculative section (default: the target store itself)")
+    parser.add_argument("--draft-tokens", default="8", help="speculative: fixed draft lengths to run besides adaptive")
+    parser.add_argument("--spec-tokens", type=int, default=100, help="speculative: new tokens per run")
     parser.add_argument("--airllm", help="python of a venv holding airllm==4.0.0 (row (d)); left out when not given")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--read", action="store_true", help=argparse.SUPPRESS)
@@ -437,8 +528,7 @@ def main() -> None:
                                "HTTP requests, wall time of the slowest; offline = `generate --prompts-file` with N "
                                "prompts and --batch-size N, process wall time (load included).", table, sizes))
     if "speculative" in sections:
-        with_tokenizer(store)
-        print("\n" + speculative(args, store, cap))
+        print("\n" + speculative(args, cap))
     print(f"\nModel: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
           f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
           f"{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch {__import__('torch').__version__}, "

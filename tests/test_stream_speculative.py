@@ -163,3 +163,19 @@ def test_the_cli_uses_universal_assisted_decoding_for_another_vocabulary(tmp_pat
     same_size = _draft_with_own_tokenizer(tmp_path / "same", vocab_size=128)
     with pytest.raises(DraftMismatch, match="another tokenizer than the model but a vocabulary of the same size"):
         generate_command(str(store), prompt="Hello, world", max_new_tokens=10, draft=str(same_size))
+
+
+@pytest.mark.parametrize("resident, streamed", [("0", True), ("auto", False)])
+def test_a_streaming_model_guesses_further_by_default(tmp_path, capsys, resident, streamed):
+    """A streamed pass costs a read of the blocks: 8 draft tokens a pass (18 tokens in 2 passes with a
+    perfect draft); all blocks resident: transformers' adaptive schedule, which also stops a guess
+    where the draft is unsure (more passes)."""
+    from shardstream.stream.generate_cli import generate_command
+    from tiny_models import llama_store_with_tokenizer
+
+    store, _, _ = llama_store_with_tokenizer(tmp_path / "target")
+    generate_command(str(store), prompt="Hello, world", max_new_tokens=18, draft=str(store), profile=True,
+                     max_resident_memory=resident, no_progress=True)
+    report = capsys.readouterr().err.splitlines()[-1]
+    passes = int(report.split(" target passes")[0].split()[-1])
+    assert report.startswith("18 new tokens") and (passes == 2) == streamed, report

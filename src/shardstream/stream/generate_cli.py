@@ -22,7 +22,7 @@ def generate_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")] = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id.")] = None,
-    draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: adaptive).")] = None,
+    draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches.")] = None,
     output: Annotated[Optional[Path], typer.Option(help="JSON-lines answers of --prompts-file; a rerun resumes it.")] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.")] = 64,
@@ -72,7 +72,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
         if stops:
             options.update(stop_strings=stops, tokenizer=tokenizer)
         if draft is not None:
-            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress))))
+            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model))))
         set_seed(seed)
         out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops))
         if profile:
