@@ -228,15 +228,22 @@ _mount_subcommands()
 
 
 def main() -> None:
-    """Console entry point: our errors become one line on stderr and exit code 1."""
+    """Console entry point: our errors and click's usage errors (a bad option value, a missing
+    argument) become one line on stderr and exit code 1."""
+    from typer._click.exceptions import ClickException  # typer's bundled click (typer is pinned)
+
     try:
-        app(prog_name="shardstream")
-    except ShardstreamError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        code = app(prog_name="shardstream", standalone_mode=False)
+    except (ShardstreamError, ClickException) as exc:
+        message = exc.format_message() if isinstance(exc, ClickException) else str(exc)
+        hint = f" (see `{exc.ctx.command_path} -h`)" if getattr(exc, "ctx", None) is not None else ""
+        err_console.print(f"[red]error:[/red] {message}{hint}", highlight=False, soft_wrap=True, markup=True)
         sys.exit(1)
     except KeyboardInterrupt:
+        code = 130
+    if code == 130:
         err_console.print("interrupted; re-run the same command to continue where it stopped.")
-        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
