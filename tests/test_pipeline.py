@@ -8,15 +8,19 @@ plan is deterministic (throughput objective: equal devices split the blocks thre
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -29,10 +33,12 @@ from shardstream.pipeline.local import LocalAgent, spawn_agents
 from shardstream.pipeline.package import package_stage
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
+from shardstream.stream.batching import NO_TOKEN, SamplingParams
 from http_server import unused_port
 from tiny_models import llama_store_with_tokenizer
 
 TOKEN = "test-token"
+KEY = "test-api-key"
 PROMPT = "Once upon a time"
 
 
@@ -51,26 +57,44 @@ def agents(tmp_path_factory):
         agent.stop()
 
 
-@pytest.fixture
-def deployed(tiny, agents, tmp_path):
-    """A coordinator with its stage server, deployed over the live agents; yields (pipeline, server)."""
+@contextmanager
+def _serving(tiny, agents, folder: Path, names: list[str] | None = None, api_key: str | None = None):
+    """A coordinator with its stage server, deployed over the live agents (those in `names`);
+    yields (pipeline, server)."""
     store, _, tokenizer = tiny
-    live = [a for a in agents if a.process.poll() is None]
+    live = [a for a in agents if a.process.poll() is None and (names is None or a.name in names)]
     coordinator = Coordinator(store, [AgentClient(a.url, TOKEN) for a in live],
-                              CoordinatorOptions(tmp_path, context_length=64, objective="throughput"))
+                              CoordinatorOptions(folder, context_length=64, objective="throughput"))
     coordinator.profile()
     for profile in coordinator.profiles.values():  # measured; made equal for a deterministic plan
         profile.gflops = 1e-3  # compute outweighs the hops, so more stages pay
         profile.rtt_seconds = {name: 1e-3 for name in profile.rtt_seconds}
         profile.bandwidth_bytes_per_s = {name: 1e8 for name in profile.bandwidth_bytes_per_s}
     pipeline = PipelineModel(coordinator, "127.0.0.1")
-    server = BackgroundServer(coordinator_app(pipeline, tokenizer, "tiny", tmp_path / "stages", TOKEN), "127.0.0.1", 0)
+    server = BackgroundServer(coordinator_app(pipeline, tokenizer, "tiny", folder / "stages", TOKEN, api_key=api_key),
+                              "127.0.0.1", 0)
     coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
     coordinator.deploy()
-    yield pipeline, server
-    server.stop()
-    pipeline.close()
-    coordinator.close()
+    try:
+        yield pipeline, server
+    finally:
+        server.stop()
+        pipeline.close()
+        coordinator.close()
+
+
+@pytest.fixture
+def deployed(tiny, agents, tmp_path):
+    """Three stages over agents a, b, c; the API wants the --token."""
+    with _serving(tiny, agents, tmp_path) as served:
+        yield served
+
+
+@pytest.fixture
+def keyed(tiny, agents, tmp_path):
+    """Two stages over agents a and b; the API wants --api-key KEY."""
+    with _serving(tiny, agents, tmp_path, ["a", "b"], KEY) as served:
+        yield served
 
 
 def _reference(reference, tokenizer, new: int) -> torch.Tensor:
@@ -302,6 +326,16 @@ class KillAt:
         pass
 
 
+def _deploy_in_order(coordinator: Coordinator, agents: list[LocalAgent], order: list[str] | None,
+                     stage: int) -> tuple[list[str], int]:
+    """Deploy with --pipeline-order `order` (lost agents re-admitted at once); (the stage order, the
+    index in `agents` of the agent that holds `stage`)."""
+    coordinator.options.pipeline_order, coordinator.options.readmit_after_s = order, 0.0
+    expected_order = order or ["a", "b", "c"]
+    assert [s.device for s in coordinator.deploy().plan.stages] == expected_order
+    return expected_order, next(i for i, a in enumerate(agents) if a.name == expected_order[stage])
+
+
 @pytest.mark.parametrize("order", [None, ["c", "a", "b"]], ids=["no-order", "order-c,a,b"])
 @pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
 def test_recovery_keeps_the_pipeline_order(tiny, agents, deployed, tmp_path, order, stage):
@@ -310,10 +344,7 @@ def test_recovery_keeps_the_pipeline_order(tiny, agents, deployed, tmp_path, ord
     _, reference, tokenizer = tiny
     pipeline, _ = deployed
     coordinator = pipeline.coordinator
-    coordinator.options.pipeline_order, coordinator.options.readmit_after_s = order, 0.0
-    expected_order = order or ["a", "b", "c"]
-    assert [s.device for s in coordinator.deploy().plan.stages] == expected_order
-    victim = next(i for i, a in enumerate(agents) if a.name == expected_order[stage])
+    expected_order, victim = _deploy_in_order(coordinator, agents, order, stage)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     out = pipeline.generate(ids, max_new_tokens=8, streamer=KillAt(agents[victim], 3))
     assert torch.equal(out[0], _reference(reference, tokenizer, 8)) and pipeline.recoveries == 1
@@ -360,22 +391,25 @@ def test_an_agent_reports_its_cgroup_limit_and_max_memory(tmp_path):
 
 
 def test_serve_port_0_picks_a_free_port_and_prints_it(tiny, agents, tmp_path):
+    """Also: SHARDSTREAM_API_KEY sets the API's key, which the agents' token then does not replace."""
     store, reference, tokenizer = tiny
     live = ",".join(a.url for a in agents if a.process.poll() is None)
     process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "coordinator", "--model", str(store.root),
                                 "--token", TOKEN, "--urls", live, "--context-length", "64", "--probe-bytes", "0",
                                 "--work-dir", str(tmp_path), "--serve-port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "SHARDSTREAM_API_KEY": KEY})
     try:
         printed = ""
         while "serving" not in printed:
             line = process.stdout.readline()
             assert line, f"the coordinator exited: {printed}"
             printed += line
-        url = re.search(r"serving /v1/completions on (http://127\.0\.0\.1:\d+) ", printed).group(1)
+        url = re.search(r"serving /v1/completions on (http://127\.0\.0\.1:\d+) \(bearer --api-key required", printed).group(1)
         assert not url.endswith(":0")
-        reply = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
-                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120).json()
+        body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
+        reply = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
         expected = tokenizer.decode(_reference(reference, tokenizer, 5)[len(PROMPT):], skip_special_tokens=True)
         assert reply["choices"][0]["text"] == expected
     finally:
@@ -398,3 +432,93 @@ def test_the_cli_samples_with_a_seed_and_stops_at_a_stop_string(tiny, agents, tm
                         probe_bytes=0, generate=PROMPT, max_new_tokens=8, stop=[greedy[4:6]])
     assert greedy.index(greedy[4:6]) > 0
     assert capsys.readouterr().out.split("(sum of stages)\n", 1)[1].rstrip("\n") == greedy[:greedy.index(greedy[4:6])]
+
+
+PROMPTS = [PROMPT, "The quick brown fox", "Hi", "In a hole in the ground there lived"]
+
+
+def _greedy_ids(reference, tokenizer, prompt: str, new: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    return reference.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
+def _collect(sequence) -> list[int]:
+    return [event.token for event in sequence if event.token != NO_TOKEN]
+
+
+def test_four_requests_in_flight_through_two_stages_equal_transformers(tiny, keyed):
+    _, reference, tokenizer = tiny
+    pipeline, _ = keyed
+    engine = pipeline.engine
+    assert [s.device for s in pipeline.coordinator.route.plan.stages] == ["a", "b"]
+    sequences = [engine.submit(tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=12)) for p in PROMPTS]
+    assert [_collect(s) for s in sequences] == [_greedy_ids(reference, tokenizer, p, 12) for p in PROMPTS]
+    assert engine.peak_active == 4 and set(engine.busy_seconds) == {"a", "b"}
+
+
+def test_the_coordinator_api_wants_its_api_key_and_answers_as_serve_does(tiny, keyed):
+    _, reference, tokenizer = tiny
+    _, server = keyed
+    url = f"http://127.0.0.1:{server.port}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    expected = [tokenizer.decode(_greedy_ids(reference, tokenizer, p, 10), skip_special_tokens=True) for p in PROMPTS]
+    with ThreadPoolExecutor(4) as pool:   # concurrent clients, each its own answer
+        texts = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=10,
+                                                                  temperature=0).choices[0].text, PROMPTS))
+    assert texts == expected
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected[0]
+    scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2).choices[0]
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    full = torch.tensor([[*ids[0].tolist(), *_greedy_ids(reference, tokenizer, PROMPT, 3)]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference(full).logits[0].float(), -1)
+    want = [logprobs[i - 1, full[0, i]].item() for i in range(ids.shape[1], full.shape[1])]
+    assert scored.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+
+    with pytest.raises(openai.AuthenticationError):   # with --api-key, the agents' token does not open the API
+        openai.OpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0).models.list()
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    refused = httpx.post(url + "/v1/completions", json=body)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "--api-key" in refused.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    stage = httpx.get(url + "/stages/none.json", headers={"Authorization": f"Bearer {KEY}"})
+    assert stage.status_code == 401 and "--token" in stage.json()["error"]["message"]
+    assert httpx.get(url + "/stages/none.json", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for extra, status, param, words in [
+        ({"logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias is not supported"),
+        ({"tools": []}, 400, "tools", "unrecognized request argument supplied: tools"),
+        ({"temperature": 5}, 400, "temperature", "less than or equal to 2"),
+        ({"model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+        ({"max_tokens": 100}, 400, "max_tokens", "set max_tokens to at most 48"),   # --context-length 64
+        ({"echo": True, "logprobs": 1}, 400, None, "echo with logprobs (prompt scores) is not supported"),
+    ]:
+        reply = httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
+        error = reply.json()["error"]
+        assert (reply.status_code, error["param"]) == (status, param) and words in error["message"], reply.text
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]},
+                      headers=headers, timeout=60)
+    assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("order", [None, ["c", "a", "b"]], ids=["no-order", "order-c,a,b"])
+def test_a_killed_agent_replays_every_request_in_flight(tiny, agents, deployed, tmp_path, order):
+    """Four requests in flight over three stages; SIGKILL the middle stage's agent: all four finish
+    with transformers' text on the re-planned route."""
+    _, reference, tokenizer = tiny
+    pipeline, _ = deployed
+    coordinator = pipeline.coordinator
+    expected_order, victim = _deploy_in_order(coordinator, agents, order, 1)
+    sequences = [pipeline.engine.submit(tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+    first = []
+    for event in sequences[0]:
+        first.append(event.token)
+        if len(first) == 3:
+            agents[victim].kill()
+    texts = [first, *(_collect(s) for s in sequences[1:])]
+    assert texts == [_greedy_ids(reference, tokenizer, p, 10) for p in PROMPTS]
+    assert pipeline.recoveries == 1 and pipeline.engine.peak_active == 4
+    assert [s.device for s in coordinator.route.plan.stages] == [n for n in expected_order if n != agents[victim].name]
+    agents[victim] = _restart(agents[victim], tmp_path)

@@ -55,6 +55,26 @@ def test_stages_generate_exactly_what_transformers_generates(stores, family, cut
     assert _greedy(stages, PROMPT[0].tolist(), 12) == expected.tolist()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_streamed_stages_generate_exactly_what_transformers_generates(stores, family):
+    """Stages whose blocks are read from disk on every pass give transformers' tokens: a streamed
+    stage before one in memory (budget 0: nothing resident), and the whole model as one stage with
+    room for one block besides the two in flight (the first block stays); unloading stops the readers."""
+    store, reference = stores[family]
+    block = model_cost(store).layers[0].weight_bytes
+    n = store.num_layers
+    expected = reference.generate(PROMPT, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, PROMPT.shape[1]:]
+    split = [StageModel(store, 0, 2, stream_budget=0), StageModel(store, 2, n)]
+    whole = [StageModel(store, 0, n, stream_budget=3 * block)]
+    assert [stage.streamed_blocks for stage in split + whole] == [[0, 1], [], list(range(1, n))]
+    for stages in (split, whole):
+        assert _greedy(stages, PROMPT[0].tolist(), 12) == expected.tolist()
+    for stage in split + whole:
+        stage.close()
+    with pytest.raises(ValueError, match=r"blocks 0-1 were unloaded; re-send on the current plan"):
+        split[0].forward("s", 0, PROMPT)
+
+
 def test_a_stage_refuses_a_position_its_cache_does_not_hold(stores):
     store, _ = stores["llama"]
     stage = StageModel(store, 0, 2)

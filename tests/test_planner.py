@@ -10,6 +10,7 @@ import pytest
 
 from shardstream.errors import InvalidOption, PlanInfeasible
 from shardstream.pipeline.planner import (
+    STREAM_DEPTH,
     Device,
     LayerCost,
     Link,
@@ -19,6 +20,7 @@ from shardstream.pipeline.planner import (
     format_bytes,
     plan,
 )
+from shardstream.stream.residency import choose_resident
 
 FREE = Link(latency_s=0.0, bandwidth_bytes_per_s=1e30)
 GIB = 1024**3
@@ -254,3 +256,112 @@ def test_rejects_options_that_cannot_work(options, devices, words):
     model = ModelCost([LayerCost(1, 0, 1.0)] * 2, activation_bytes_per_token=1)
     with pytest.raises(InvalidOption, match=words):
         plan(model, devices or [Device("a", 10, 1.0), Device("b", 10, 1.0)], options)
+
+
+def evaluate_streamed(model, devices, options, spans):
+    """(stage times, streamed bytes, fits) from scratch, a stage that does not fit in memory laid
+    out by the streaming runtime's own rule (choose_resident with STREAM_DEPTH + 1 blocks in flight)."""
+    times, streamed, fits = [], [], True
+    for k, (device, first, end) in enumerate(spans):
+        sizes = [b.weight_bytes for b in model.layers[first:end]]
+        fixed = device.overhead_bytes + sum(b.kv_bytes_per_token * options.context_length for b in model.layers[first:end])
+        fixed += (model.start_bytes if k == 0 else 0) + (model.end_bytes if k == len(spans) - 1 else 0)
+        budget, in_flight = device.memory_budget_bytes - fixed, (STREAM_DEPTH + 1) * max(sizes)
+        if sum(sizes) <= budget:
+            read = 0
+        elif device.disk_bytes_per_s > 0 and in_flight <= budget:
+            read = sum(sizes) - sum(sizes[i] for i in choose_resident(sizes, budget, in_flight))
+        else:
+            fits = False
+            read = 0
+        single, _ = evaluate(model, [device], options, [(device, first, end)])
+        hop = 0.0
+        if k + 1 < len(spans):
+            link = options.links.get((device.name, spans[k + 1][0].name), options.default_link)
+            hop = link.latency_s + model.activation_bytes_per_token / link.bandwidth_bytes_per_s
+        flops = sum(b.flops_per_token for b in model.layers[first:end]) + (
+            model.end_flops_per_token if k == len(spans) - 1 else 0)
+        times.append(flops / (device.gflops * 1e9) + hop + (read / device.disk_bytes_per_s if read else 0.0))
+        streamed.append(read)
+    return times, streamed, fits
+
+
+def test_streams_only_when_nothing_fits_and_matches_brute_force():
+    """Random small instances with disks: in memory when any split fits, else the best streamed split."""
+    rng = random.Random(11)
+    outcomes = {"in memory": 0, "streamed": 0, "infeasible": 0}
+    for _ in range(400):
+        model, devices, options = random_instance(rng)
+        largest, total = max(b.weight_bytes for b in model.layers), sum(b.weight_bytes for b in model.layers)
+        devices = [Device(d.name, 2 * largest + d.overhead_bytes + rng.randint(0, total // 4 + 20), d.gflops, d.overhead_bytes,
+                          rng.choice([0.0, rng.uniform(1, 100), rng.uniform(1, 100)]))
+                   for d in devices]   # about two blocks and up: many cases must stream
+        options.objective = rng.choice(["latency", "throughput"])
+        order = [next(d for d in devices if d.name == name) for name in options.pipeline_order]
+        n, best_memory, best_streamed = len(model.layers), math.inf, math.inf
+        for k in range(1, min(n, len(order)) + 1):
+            for used in combinations(order, k):
+                for cuts in combinations(range(1, n), k - 1):
+                    bounds = [0, *cuts, n]
+                    if bounds[1] < options.min_prefix:
+                        continue
+                    spans = list(zip(used, bounds, bounds[1:]))
+                    times, streamed, fits = evaluate_streamed(model, devices, options, spans)
+                    value = sum(times) if options.objective == "latency" else max(times)
+                    if fits and not any(streamed):
+                        best_memory = min(best_memory, value)
+                    elif fits:
+                        best_streamed = min(best_streamed, value)
+        if best_memory == best_streamed == math.inf:
+            with pytest.raises(PlanInfeasible):
+                plan(model, devices, options)
+            outcomes["infeasible"] += 1
+            continue
+        result = plan(model, devices, options)
+        by_name = {d.name: d for d in devices}
+        spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+        times, streamed, fits = evaluate_streamed(model, devices, options, spans)
+        assert fits and all(s.memory_bytes <= s.budget_bytes for s in result.stages)
+        assert [s.streamed_bytes_per_token for s in result.stages] == streamed
+        assert [s.predicted_seconds_per_token for s in result.stages] == pytest.approx(times, rel=1e-9)
+        expected = best_memory if best_memory < math.inf else best_streamed
+        assert result.objective_value == pytest.approx(expected, rel=1e-9)
+        outcomes["in memory" if best_memory < math.inf else "streamed"] += 1
+    assert min(outcomes.values()) > 20, outcomes   # seeded: every case is exercised
+
+
+def streamed_case():
+    """Five 2 GiB blocks and a 1 GiB head on two devices with 5 GiB free: 11 GiB fit nowhere in memory."""
+    model = ModelCost([LayerCost(2 * GIB, 0, 1e9)] * 5, activation_bytes_per_token=8192, end_bytes=GIB)
+    devices = [Device("a", 6 * GIB, 50, GIB, disk_bytes_per_s=2 * GIB), Device("b", 6 * GIB, 50, GIB, disk_bytes_per_s=GIB)]
+    return model, devices
+
+
+def test_a_split_that_fits_only_streamed():
+    model, devices = streamed_case()
+    result = plan(model, devices, PlanOptions(context_length=0, default_link=FREE))
+    # in memory a holds 2 blocks and b 2 blocks and the head: one block too many. Either streams 3 blocks with
+    # 2 in flight and no room left for a resident one; a's disk is the faster.
+    stages = [(s.device, s.first_layer, s.last_layer_exclusive, s.streamed_bytes_per_token) for s in result.stages]
+    assert stages == [("a", 0, 3, 6 * GIB), ("b", 3, 5, 0)]
+    assert result.stages[0].read_seconds_per_token == pytest.approx(3.0)
+    assert result.stages[0].predicted_seconds_per_token == pytest.approx(3.0 + 3e9 / 50e9)
+    assert result.stages[0].stream_budget_bytes == 5 * GIB and result.stages[0].memory_bytes == 5 * GIB
+    table = result.table().splitlines()
+    assert "streamed from disk/token" in table[0]
+    assert table[1].endswith("6.00 GiB (3,000 ms)") and table[2].endswith("no (in memory)")
+    assert Plan.from_json(result.to_json()) == result
+
+
+def test_no_streaming_refuses_with_a_clear_message():
+    model, devices = streamed_case()
+    with pytest.raises(PlanInfeasible) as caught:
+        plan(model, devices, PlanOptions(context_length=0, streaming=False))
+    assert str(caught.value).endswith(
+        "or use compression, or drop --no-streaming so that agents may stream blocks from their disk.")
+    small = [Device(d.name, 9 * GIB // 2, 50, GIB, disk_bytes_per_s=GIB) for d in devices]   # 2 blocks > 3.5 GiB free
+    with pytest.raises(PlanInfeasible, match="Streaming blocks from disk does not help: .* 2 blocks in flight"):
+        plan(model, small, PlanOptions(context_length=0))
+    no_disk = [Device(d.name, 6 * GIB, 50, GIB) for d in devices]
+    with pytest.raises(PlanInfeasible, match="no device reported a disk read speed"):
+        plan(model, no_disk, PlanOptions(context_length=0))

@@ -1,9 +1,11 @@
 """The agent: a FastAPI control plane on each device plus the ZeroMQ data plane of its stage.
 
-Control (bearer token on every endpoint): health, capabilities, profiles, pings, loading and
-unloading a stage; health also counts the expert files an on-demand MoE stage has read. Data: one
-thread receives activations, runs the loaded stage and pushes the result on. A stage is loaded
-`metadata_only` (downloaded, verified, cached) or materialized.
+Control (bearer token on every endpoint): health, capabilities, profiles (compute, disk reads),
+pings, loading and unloading a stage; health also counts the expert files an on-demand MoE stage
+has read and the blocks a streamed stage reads from disk. Data: one thread receives activations,
+runs the loaded stage and pushes the result on. A stage is loaded `metadata_only` (downloaded,
+verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan
+gave this agent more blocks than its memory holds.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class LoadRequest(BaseModel):
     stage_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     epoch: int = Field(ge=0)
     metadata_only: bool = True
+    stream_budget_bytes: int | None = Field(None, ge=0)   # a number: stream the blocks, keeping what fits in it
 
 
 class ProfileRequest(BaseModel):
@@ -49,6 +52,10 @@ class BlockProfileRequest(BaseModel):
     intermediate_size: int = Field(ge=1, le=262144)
     tokens: int = Field(1, ge=1, le=4096)
     repeats: int = Field(10, ge=1, le=1000)
+
+
+class DiskProfileRequest(BaseModel):
+    size: int = Field(measure.DISK_PROBE_BYTES, ge=2**20, le=measure.DISK_PROBE_LIMIT)
 
 
 class PingRequest(BaseModel):
@@ -104,15 +111,24 @@ class Agent:
             folder, downloaded = fetch_stage(request.url, request.stage_id, self.cache, client)
         stage = _stage_range(folder)
         with self._lock:  # the old stage's memory goes before the new one is built
-            self.loaded = None
-            model = None if request.metadata_only else StageModel(open_store(folder), *stage)
+            self._drop()
+            model = None if request.metadata_only else StageModel(open_store(folder), *stage,
+                                                                  stream_budget=request.stream_budget_bytes)
             self.loaded = Loaded(request.stage_id, request.epoch, *stage, model)
         return {"stage_id": request.stage_id, "downloaded_bytes": downloaded, "first": stage[0], "last": stage[1],
-                "materialized": model is not None, "data_port": self.data_port}
+                "materialized": model is not None, "data_port": self.data_port,
+                "streamed_blocks": model.streamed_blocks if model else []}
+
+    def _drop(self) -> Loaded | None:
+        """Forget the loaded stage and stop its block reader (a streamed stage's prefetch thread)."""
+        loaded, self.loaded = self.loaded, None
+        if loaded and loaded.model:
+            loaded.model.close()
+        return loaded
 
     def unload(self, forget: bool) -> dict:
         with self._lock:
-            loaded, self.loaded = self.loaded, None
+            loaded = self._drop()
         if loaded and forget:
             remove_stage(self.cache, loaded.stage_id)
         return {"unloaded": loaded.stage_id if loaded else None}
@@ -156,7 +172,8 @@ def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
         loaded = agent.loaded
         experts = loaded.model.experts if loaded and loaded.model else None
         return {"name": agent.name, "ok": True, "stage_id": loaded.stage_id if loaded else None,
-                "epoch": loaded.epoch if loaded else None, "expert_loads": experts.loads if experts else None}
+                "epoch": loaded.epoch if loaded else None, "expert_loads": experts.loads if experts else None,
+                "streamed_blocks": loaded.model.streamed_blocks if loaded and loaded.model else None}
 
     @app.get("/v1/capabilities")
     def capabilities() -> dict:
@@ -170,6 +187,11 @@ def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
     def profile_block(request: BlockProfileRequest) -> dict:
         gflops = measure.block_gflops(request.hidden_size, request.intermediate_size, request.tokens, request.repeats)
         return {"gflops": gflops}
+
+    @app.post("/v1/profile/disk")
+    def profile_disk(request: DiskProfileRequest) -> dict:
+        """Read speed of the disk holding the stage cache, which prices a streamed stage."""
+        return {"bytes_per_s": measure.disk_read_bytes_per_s(agent.cache, request.size)}
 
     @app.post("/v1/net/ping")
     def net_ping(request: PingRequest) -> dict:

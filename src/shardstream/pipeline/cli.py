@@ -102,6 +102,9 @@ def coordinator_command(
     context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048,
     objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency",
     probe_bytes: Annotated[int, typer.Option(help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20,
+    no_streaming: Annotated[bool, typer.Option("--no-streaming", help="Refuse when the stages do not fit in the agents' "
+                                               "memory, instead of letting agents stream their blocks from disk "
+                                               "(priced by each agent's measured disk read speed).")] = False,
     package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
     work_dir: Annotated[Path, typer.Option(help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline"),
     serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None,
@@ -114,9 +117,20 @@ def coordinator_command(
     top_k: Annotated[int, typer.Option(help="With --generate: sample from the k most likely tokens; 0 = no limit.")] = 0,
     seed: Annotated[Optional[int], typer.Option(help="With --generate: seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="With --generate: end at this text, left out of the output; repeatable.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="SHARDSTREAM_API_KEY", help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
+                                           "but /health and the agents' /stages, which want --token); without it the "
+                                           "API wants --token.")] = None,
+    model_name: Annotated[Optional[list[str]], typer.Option(
+        help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list); the first is reported "
+             "by /v1/models. Default: the --model path. Any other id is a 404 model_not_found.")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "
+             "refused).")] = None,
 ) -> None:
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
+    from ..stream.serve_cli import _read_template
     from ..stream.stops import stop_streamer
     from ..stream.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient
@@ -134,7 +148,8 @@ def coordinator_command(
     store = open_store(model)
     _warn_on_context_length(store.root, context_length)
     options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
-                                 pipeline_order.split(",") if pipeline_order else None, probe_bytes)
+                                 pipeline_order.split(",") if pipeline_order else None, probe_bytes,
+                                 streaming=not no_streaming)
     coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
     try:
         coordinator.profile()
@@ -144,8 +159,10 @@ def coordinator_command(
             return
         pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
         tokenizer = load_tokenizer(pipeline) if generate or serving else None
-        server = BackgroundServer(coordinator_app(pipeline, tokenizer, str(model), work_dir / "stages", token),
-                                  host, serve_port or 0)
+        names = [n.strip() for value in (model_name or [str(model)]) for n in value.split(",") if n.strip()]
+        app = coordinator_app(pipeline, tokenizer, names[0], work_dir / "stages", token, api_key=api_key,
+                              aliases=tuple(names[1:]), chat_template=_read_template(chat_template))
+        server = BackgroundServer(app, host, serve_port or 0)
         try:
             coordinator.stage_url = f"http://{pipeline.reply_host}:{server.port}/stages/"
             typer.echo(coordinator.deploy().plan.table())
@@ -156,7 +173,9 @@ def coordinator_command(
                 pipeline.generate(inputs["input_ids"], streamer=stop_streamer(tokenizer, list(stop or [])),
                                   stop_strings=list(stop or []), tokenizer=tokenizer, **sampling)
             if serving:
-                typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer token required)")
+                secret = "--api-key" if api_key else "--token"
+                typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer {secret} required; "
+                           f"up to {pipeline.engine.max_active} requests in flight)")
                 server.wait()
         finally:
             server.stop()

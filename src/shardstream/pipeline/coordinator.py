@@ -38,6 +38,7 @@ class CoordinatorOptions:
     pipeline_order: list[str] | None = None
     bandwidth_probe_bytes: int = 4 * 2**20   # per agent pair; 0 assumes a 1 Gbit/s LAN instead
     readmit_after_s: float = 30.0   # a lost agent is tried again after this long (see Coordinator.readmit)
+    streaming: bool = True   # when no split fits in memory, agents may stream their blocks from disk
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Profile:
     available_bytes: int
     gflops: float
     data_port: int
+    disk_bytes_per_s: float = 0.0   # read speed of its stage cache's disk (0: not measured, it may not stream)
     rtt_seconds: dict[str, float] = field(default_factory=dict)  # to each other agent, by name
     bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)  # from each other agent, by name
 
@@ -89,8 +91,8 @@ class Coordinator:
     # -- measuring and planning --------------------------------------------------------------
 
     def profile(self, names: list[str] | None = None) -> dict[str, Profile]:
-        """Capabilities, a block-shaped compute profile, round trips and bandwidths, from these
-        agents (default: every one)."""
+        """Capabilities, a block-shaped compute profile, the disk read speed (unless streaming is
+        off), round trips and bandwidths, from these agents (default: every one)."""
         config = AutoConfig.from_pretrained(self.store.root)
         hidden = config.hidden_size
         intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
@@ -99,13 +101,15 @@ class Coordinator:
         urls = {agent.url: name for name, agent in self.agents.items()}
         for name in names or list(self.agents):
             agent = self.agents[name]
-            capabilities = agent.get("/v1/capabilities")
             gflops = agent.post("/v1/profile/block", shape, timeout=120)["gflops"]
+            disk = agent.post("/v1/profile/disk", {}, timeout=120)["bytes_per_s"] if self.options.streaming else 0.0
+            # after the profiles: memory their buffers leave with the agent's allocator is not free for a stage
+            capabilities = agent.get("/v1/capabilities")
             others = [url for url in urls if url != agent.url]
             probe = self.options.bandwidth_probe_bytes
             net = agent.post("/v1/net/ping", {"peers": others, "probe_bytes": probe}, timeout=60) if others else {}
             self.profiles[name] = Profile(
-                capabilities["ram_available_bytes"], gflops, capabilities["data_port"],
+                capabilities["ram_available_bytes"], gflops, capabilities["data_port"], disk,
                 {urls[u]: t for u, t in net.get("rtt_seconds", {}).items() if t is not None},
                 {urls[u]: b for u, b in net.get("bandwidth_bytes_per_s", {}).items() if b})
         return self.profiles
@@ -114,7 +118,8 @@ class Coordinator:
         """The best plan over these agents (in --pipeline-order where given)."""
         activations = activation_bytes(self.store, self.options.context_length)
         devices = [device_from_profile(n, self.profiles[n].available_bytes, self.profiles[n].gflops,
-                                       self.options.mem_fraction, activations) for n in names]
+                                       self.options.mem_fraction, activations, self.profiles[n].disk_bytes_per_s)
+                   for n in names]
         # --pipeline-order orders the agents alive now: a lost one is left out, a re-admitted one is back in place
         order = [n for n in (self.options.pipeline_order or names) if n in names]
         order += [n for n in names if n not in order]
@@ -122,7 +127,7 @@ class Coordinator:
         links = {(a, b): Link(rtt / 2, self.profiles[b].bandwidth_bytes_per_s.get(a, LAN.bandwidth_bytes_per_s))
                  for a in names for b, rtt in self.profiles[a].rtt_seconds.items() if b in names}
         options = PlanOptions(self.options.context_length, order, self.options.min_prefix,
-                              self.options.objective, links)
+                              self.options.objective, links, streaming=self.options.streaming)
         return plan(self.cost, devices, options)
 
     def save_plan(self, names: list[str]) -> Plan:
@@ -144,9 +149,10 @@ class Coordinator:
         agents = [self.agents[s.device] for s in chosen.stages]
 
         def load(pair) -> SourceUnreachable | None:
-            agent, package = pair
+            agent, package, stage = pair
             body = {"url": f"{self.stage_url}{package.stage_id}/", "stage_id": package.stage_id,
-                    "epoch": epoch, "metadata_only": False}
+                    "epoch": epoch, "metadata_only": False,
+                    "stream_budget_bytes": stage.stream_budget_bytes if stage.streamed_bytes_per_token else None}
             try:
                 agent.post("/v1/stage/load", body, timeout=600)
             except SourceUnreachable as error:
@@ -154,7 +160,7 @@ class Coordinator:
             return None
 
         with ThreadPoolExecutor(len(agents)) as pool:
-            failed = list(pool.map(load, zip(agents, packages)))
+            failed = list(pool.map(load, zip(agents, packages, chosen.stages)))
         for stage, agent, error in zip(chosen.stages, agents, failed):
             if error is not None and not agent.alive(timeout=2.0):
                 log.warning("agent %s died while loading its stage (%s of its %s budget): the connection dropped "

@@ -45,9 +45,11 @@ def activation_bytes(store: Store, context_length: int) -> int:
 
 
 def device_from_profile(name: str, available_bytes: int, gflops: float, mem_fraction: float,
-                        activations: int) -> Device:
-    """A planner device: its share of the free RAM, less the activations it must keep room for."""
-    return Device(name, int(available_bytes * mem_fraction), gflops, overhead_bytes=activations)
+                        activations: int, disk_bytes_per_s: float = 0.0) -> Device:
+    """A planner device: its share of the free RAM, less the activations it must keep room for, and
+    the disk read speed that prices a streamed stage (0: it may not stream)."""
+    return Device(name, int(available_bytes * mem_fraction), gflops, overhead_bytes=activations,
+                  disk_bytes_per_s=disk_bytes_per_s)
 
 
 def _params(store: Store, part: str) -> int:

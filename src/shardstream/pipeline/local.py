@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,18 +40,19 @@ class LocalAgent:
 
 
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 300.0,
-                 advertise: bool = False) -> list[LocalAgent]:
-    """Start one agent process per name (all at once; announced by mDNS with `advertise`), then
-    wait until each answers its health check. They split the host's cores (`--threads`), so they
-    do not oversubscribe it. Each agent binds free ports itself and reports them in a ready file,
-    so no port can be taken between choosing and binding it."""
+                 advertise: bool = False, wrapper: list[str] = ()) -> list[LocalAgent]:
+    """Start one agent process per name (all at once; announced by mDNS with `advertise`; each run
+    under `wrapper`, e.g. a memory cap: `["memcap", "400M", "--"]`), then wait until each answers
+    its health check. They split the host's cores (`--threads`), so they do not oversubscribe it.
+    Each agent binds free ports itself and reports them in a ready file, so no port can be taken
+    between choosing and binding it."""
     folder.mkdir(parents=True, exist_ok=True)
     threads = str(max(1, (os.cpu_count() or 1) // len(names)))   # agents on one host split its cores
     started = []
     for name in names:
         log, ready = folder / f"{name}.log", folder / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
+        command = [*wrapper, sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
                    "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                    "--cache-dir", str(folder / name), "--threads", threads] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
@@ -83,13 +85,28 @@ PARENT_ENV = "SHARDSTREAM_PARENT_PID"
 def follow_parent() -> None:
     """In an agent started by `spawn_agents`: get SIGTERM when the process that started it is gone,
     so no local agent outlives a crashed demo or test run (Linux prctl PR_SET_PDEATHSIG). Done in
-    the agent itself, not in a `preexec_fn`, which can deadlock a parent that has threads."""
+    the agent itself, not in a `preexec_fn`, which can deadlock a parent that has threads. Under a
+    wrapper the agent's parent is the wrapper, so a thread watches the starting process instead."""
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None or sys.platform != "linux":
+        return
+    if os.getppid() != int(parent):   # started through a `wrapper` (memcap): watch the starter instead
+        threading.Thread(target=_stop_when_gone, args=(int(parent),), name="follow-parent", daemon=True).start()
         return
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
     if os.getppid() != int(parent):   # the parent died before the line above
         sys.exit(0)
+
+
+def _stop_when_gone(pid: int) -> None:
+    """SIGTERM this process once process `pid` no longer exists (checked every second)."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
 
 
 def _healthy(agent: LocalAgent, token: str) -> bool:

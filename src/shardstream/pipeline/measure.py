@@ -1,10 +1,15 @@
-"""What an agent reports about its machine: capabilities, measured compute, round trips to peers."""
+"""What an agent reports about its machine: capabilities, measured compute and disk reads, round
+trips to peers."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -61,6 +66,57 @@ def block_gflops(hidden: int, intermediate: int, tokens: int, repeats: int) -> f
         block()
     flops = 2 * tokens * (4 * hidden * hidden + 3 * hidden * intermediate) * repeats
     return flops / (time.perf_counter() - started) / 1e9
+
+
+DISK_PROBE_BYTES = 32 * 2**20
+DISK_PROBE_LIMIT = 256 * 2**20
+_DISK_CHUNK = 8 * 2**20
+
+
+def disk_read_bytes_per_s(folder: Path, size: int = DISK_PROBE_BYTES) -> float:
+    """How fast this device reads from the disk that holds `folder` (its stage cache), as a streamed
+    stage reads its blocks: a fresh file of random bytes, written and synced, then read with O_DIRECT
+    (or, where the filesystem refuses it, read after dropping its pages from the page cache)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".disk-probe-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for done in range(0, size, _DISK_CHUNK):
+                out.write(os.urandom(min(_DISK_CHUNK, size - done)))
+            out.flush()
+            os.fsync(out.fileno())
+        return size / cold_read_seconds(name)
+    finally:
+        os.unlink(name)
+
+
+def cold_read_seconds(path: str | Path) -> float:
+    """Seconds to read the file at `path` from the disk, not the page cache."""
+    buffer = mmap.mmap(-1, _DISK_CHUNK)   # page-aligned, as O_DIRECT wants
+    buffer.write(bytes(_DISK_CHUNK))   # fault its pages in now: under a memory cap that can mean reclaim,
+    try:                               # which the runtime's reused buffers do not pay for every block
+        for flags in (os.O_RDONLY | getattr(os, "O_DIRECT", 0), os.O_RDONLY):
+            try:
+                return _timed_read(path, flags, buffer)
+            except OSError as error:   # no O_DIRECT here (tmpfs, some FUSE mounts): read after dropping the pages
+                if error.errno != errno.EINVAL or flags == os.O_RDONLY:
+                    raise
+        raise AssertionError("unreachable: the plain read either returns or raises")
+    finally:
+        buffer.close()
+
+
+def _timed_read(path: str, flags: int, buffer: mmap.mmap) -> float:
+    fd = os.open(path, flags)
+    try:
+        if hasattr(os, "posix_fadvise"):   # a no-op under O_DIRECT; otherwise the read must come from the disk
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        started, offset = time.perf_counter(), 0
+        while got := os.preadv(fd, [buffer], offset):
+            offset += got
+        return max(time.perf_counter() - started, 1e-6)
+    finally:
+        os.close(fd)
 
 
 PROBE_LIMIT = 64 * 2**20

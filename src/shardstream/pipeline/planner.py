@@ -5,15 +5,22 @@ dynamic programming over (blocks assigned so far, device in pipeline order). Eac
 least one block; devices keep their pipeline order and any of them may be left out. A stage's
 predicted time is its compute plus the hop to the next stage, so "latency" (one token stream) is
 the sum of stage times and "throughput" (a full pipeline) is their maximum, the bottleneck.
+
+Only when no split fits in memory (and `PlanOptions.streaming` allows it), a stage may also be
+larger than its device: it runs with the streaming runtime, keeping its KV cache, embeddings or
+head, the first blocks that fit (as `stream.residency.choose_resident` picks them) and the blocks
+in flight in memory, and reads the rest from disk every token. Such a stage costs its compute plus
+the streamed bytes at the device's measured disk read speed (a bound: prefetch overlaps the two).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Literal
 
 from shardstream.errors import InvalidOption, PlanInfeasible
@@ -50,6 +57,10 @@ class Device:
     memory_budget_bytes: int
     gflops: float
     overhead_bytes: int = 0
+    disk_bytes_per_s: float = 0.0   # measured read speed of its stage files; 0: it cannot stream
+
+
+STREAM_DEPTH = 1   # blocks a streamed stage reads ahead while one computes (`stream`'s default prefetch)
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,7 @@ class PlanOptions:
     objective: Objective = "latency"
     links: dict[tuple[str, str], Link] = field(default_factory=dict)
     default_link: Link = LAN
+    streaming: bool = True   # when nothing fits in memory, stages may stream blocks from disk
 
 
 @dataclass
@@ -89,6 +101,9 @@ class Stage:
     memory_bytes: int
     budget_bytes: int
     predicted_seconds_per_token: float
+    streamed_bytes_per_token: int = 0   # > 0: the stage streams these bytes of blocks from disk per token
+    read_seconds_per_token: float = 0.0   # their price at the device's disk read speed (in the time above)
+    stream_budget_bytes: int = 0   # a streamed stage's memory for blocks: resident ones and those in flight
 
 
 @dataclass
@@ -101,13 +116,15 @@ class Plan:
 
     def table(self) -> str:
         """The plan as an aligned text table, for the coordinator to print."""
-        rows = [("device", "layers", "memory used / budget", "ms/token")]
+        streams = any(s.streamed_bytes_per_token for s in self.stages)
+        rows = [("device", "layers", "memory used / budget", "ms/token", *(["streamed from disk/token"] * streams))]
         rows += [
             (
                 s.device,
                 _layer_range(s.first_layer, s.last_layer_exclusive),
                 f"{format_bytes(s.memory_bytes)} / {format_bytes(s.budget_bytes)}",
                 _milliseconds(s.predicted_seconds_per_token),
+                *([_streamed(s)] * streams),
             )
             for s in self.stages
         ]
@@ -125,6 +142,12 @@ class Plan:
         data = json.loads(text)
         stages = [Stage(**stage) for stage in data["stages"]]
         return cls(data["objective"], data["objective_value"], stages)
+
+
+def _streamed(stage: Stage) -> str:
+    if not stage.streamed_bytes_per_token:
+        return "no (in memory)"
+    return f"{format_bytes(stage.streamed_bytes_per_token)} ({_milliseconds(stage.read_seconds_per_token)} ms)"
 
 
 def _layer_range(first: int, end: int) -> str:
@@ -145,21 +168,29 @@ def format_bytes(n: int) -> str:
 
 
 def plan(model: ModelCost, devices: list[Device], options: PlanOptions) -> Plan:
-    """The best contiguous split, or PlanInfeasible with the memory that is missing."""
+    """The best contiguous split in memory; failing that (and if allowed) the best with streamed
+    stages; else PlanInfeasible with the memory that is missing."""
     p = _Problem(model, devices, options)
-    choose = _min_sum if options.objective == "latency" else _min_max
+    spans = _search(p, streaming=False)
+    if spans is None and options.streaming and p.can_stream:
+        spans = _search(p, streaming=True)
+    if spans is None:
+        raise PlanInfeasible(p.infeasible_message())
+    return p.make_plan(spans)
+
+
+def _search(p: _Problem, streaming: bool) -> list[tuple[int, int, int]] | None:
+    """Dynamic programming over (blocks assigned so far, device): the best stages as (device, first,
+    end), or None when no split is possible."""
+    choose = _min_sum if p.options.objective == "latency" else _min_max
     n, D = p.num_layers, len(p.devices)
     # before[d][i]: best value of the stages that cover blocks [0, i) when device d starts at i
     before = [[0.0] + [math.inf] * n for _ in range(D)]
     came_from: list[list[tuple[int, int]]] = [[(-1, -1)] * (n + 1) for _ in range(D)]
     best, last, last_start = math.inf, -1, -1
     for d in range(D):
-        flops, seconds_per_flop = p.flops, p.seconds_per_flop[d]
         for j in range(1, n + 1):
-            # (time before, own compute time, start) for each start; p.compute inlined: hot loop
-            chosen = choose(
-                [(before[d][i], (flops[j] - flops[i]) * seconds_per_flop, i) for i in p.starts(d, j)]
-            )
+            chosen = choose([(before[d][i], own, i) for i, own in p.options_ending_at(d, j, streaming)])
             if j == n:
                 value, i = chosen(p.end_seconds[d])
                 if value < best:
@@ -170,12 +201,12 @@ def plan(model: ModelCost, devices: list[Device], options: PlanOptions) -> Plan:
                 if value < before[e][j]:
                     before[e][j], came_from[e][j] = value, (d, i)
     if last < 0:
-        raise PlanInfeasible(p.infeasible_message())
+        return None
     spans = [(last, last_start, n)]
     while spans[-1][1] > 0:
         d, i, _ = spans[-1]
         spans.append((*came_from[d][i], i))
-    return p.make_plan(spans[::-1])
+    return spans[::-1]
 
 
 def _min_sum(options: list[tuple[float, float, int]]) -> Choice:
@@ -218,12 +249,17 @@ class _Problem:
         self.devices = [by_name[name] for name in order]
         self.num_layers = len(model.layers)
         self.options, self.model = options, model
-        self.mem, self.flops = [0], [0.0]
+        self.mem, self.flops, self.weights = [0], [0.0], [0]
         for layer in model.layers:
             kv_bytes = layer.kv_bytes_per_token * options.context_length
             self.mem.append(self.mem[-1] + layer.weight_bytes + kv_bytes)
             self.flops.append(self.flops[-1] + layer.flops_per_token)
+            self.weights.append(self.weights[-1] + layer.weight_bytes)
         self.free = [d.memory_budget_bytes - d.overhead_bytes for d in self.devices]
+        self.can_stream = any(d.disk_bytes_per_s > 0 for d in self.devices)
+        sizes = [layer.weight_bytes for layer in model.layers]
+        # largest[i][k]: the largest of blocks i .. i + k, a streamed stage's unit of reading
+        self.largest = [list(accumulate(sizes[i:], max)) for i in range(self.num_layers)] if self.can_stream else []
         self.seconds_per_flop = [1 / (d.gflops * 1e9) for d in self.devices]
         self.end_seconds = [model.end_flops_per_token * s for s in self.seconds_per_flop]
         self.hop = [[self._hop(a, b) for b in self.devices] for a in self.devices]
@@ -250,14 +286,51 @@ class _Problem:
             found.append(0)
         return found
 
+    def options_ending_at(self, d: int, j: int, streaming: bool) -> list[tuple[int, float]]:
+        """(i, own seconds) for every stage [i, j) device d can run, latest start first; own time
+        (compute, plus disk reads when streamed) does not decrease as the start moves back."""
+        flops, seconds_per_flop = self.flops, self.seconds_per_flop[d]
+        if not streaming or self.devices[d].disk_bytes_per_s <= 0:
+            return [(i, (flops[j] - flops[i]) * seconds_per_flop) for i in self.starts(d, j)]
+        found = []
+        for i in range(j - 1, -1, -1):
+            if i == 0 and j < max(1, self.options.min_prefix):
+                break
+            layout = self.layout(d, i, j)
+            if layout is None:   # a stage starting earlier needs even more memory
+                break
+            found.append((i, (flops[j] - flops[i]) * seconds_per_flop + layout[1] / self.devices[d].disk_bytes_per_s))
+        return found
+
+    def layout(self, d: int, i: int, j: int) -> tuple[int, int, int] | None:
+        """Blocks [i, j) as a stage on device d: (memory used, bytes streamed per token, memory for
+        blocks), overhead excluded; None when even streaming cannot fit it. In memory when it fits;
+        else the streaming runtime's layout: KV cache, start/end parts, STREAM_DEPTH + 1 blocks in
+        flight and the first blocks that fit in what is left (choose_resident's rule)."""
+        total = self.stage_bytes(i, j)
+        if total <= self.free[d]:
+            return total, 0, 0
+        if self.devices[d].disk_bytes_per_s <= 0:
+            return None
+        blocks = self.weights[j] - self.weights[i]
+        for_blocks = self.free[d] - (total - blocks)
+        room = for_blocks - (STREAM_DEPTH + 1) * self.largest[i][j - i - 1]
+        if room < 0:
+            return None
+        resident_end = min(j, bisect_right(self.weights, self.weights[i] + room) - 1)
+        streamed = self.weights[j] - self.weights[resident_end]
+        return self.free[d] - room + self.weights[resident_end] - self.weights[i], streamed, for_blocks
+
     def make_plan(self, spans: list[tuple[int, int, int]]) -> Plan:
         stages = []
         for k, (d, i, j) in enumerate(spans):
             after = self.hop[d][spans[k + 1][0]] if k + 1 < len(spans) else self.end_seconds[d]
             device = self.devices[d]
-            memory = self.stage_bytes(i, j) + device.overhead_bytes
-            seconds = self.compute(d, i, j) + after
-            stages.append(Stage(device.name, i, j, memory, device.memory_budget_bytes, seconds))
+            used, streamed, for_blocks = self.layout(d, i, j)
+            read = streamed / device.disk_bytes_per_s if streamed else 0.0
+            seconds = self.compute(d, i, j) + read + after
+            stages.append(Stage(device.name, i, j, used + device.overhead_bytes, device.memory_budget_bytes, seconds,
+                                streamed, read, for_blocks))
         times = [s.predicted_seconds_per_token for s in stages]
         value = sum(times) if self.options.objective == "latency" else max(times)
         return Plan(self.options.objective, value, stages)
@@ -287,8 +360,16 @@ class _Problem:
             f"No split of the {self.num_layers} blocks fits in memory: the best one still overflows"
             f" a device by {format_bytes(self.shortfall())} (the model needs {format_bytes(need)},"
             f" the devices offer {format_bytes(offer)} after overhead); add devices, raise"
-            " --mem-fraction, lower --context-length or use compression."
+            " --mem-fraction, lower --context-length or use compression" + self._streaming_hint()
         )
+
+    def _streaming_hint(self) -> str:
+        if not self.options.streaming:
+            return ", or drop --no-streaming so that agents may stream blocks from their disk."
+        if not self.can_stream:
+            return " (no device reported a disk read speed, so none may stream blocks from disk)."
+        return (". Streaming blocks from disk does not help: a streamed stage still keeps its KV cache, its"
+                f" embeddings or head and {STREAM_DEPTH + 1} blocks in flight in memory.")
 
 
 def _validate(model: ModelCost, devices: list[Device], options: PlanOptions) -> None:
@@ -306,6 +387,8 @@ def _validate(model: ModelCost, devices: list[Device], options: PlanOptions) -> 
         )
     if any(device.gflops <= 0 for device in devices):
         raise InvalidOption("Every device needs gflops > 0; measure it again.")
+    if any(device.disk_bytes_per_s < 0 for device in devices):
+        raise InvalidOption("A device's disk_bytes_per_s must be >= 0 (0: it cannot stream); measure it again.")
     links = [options.default_link, *options.links.values()]
     if any(link.latency_s < 0 or link.bandwidth_bytes_per_s <= 0 for link in links):
         raise InvalidOption("Every link needs latency >= 0 and bandwidth > 0; measure it again.")

@@ -1,5 +1,9 @@
 """The coordinator's HTTP server: the packaged stages (with Range requests) for the agents, and the
-OpenAI-compatible API of `stream/server.py` over the whole pipeline. Every path needs the token."""
+OpenAI-compatible API of `stream/server.py` over the whole pipeline.
+
+Two secrets, two jobs: /stages/* wants the agents' `--token`; the API (/v1/*) wants `--api-key`
+when one is given, else the same `--token`, so a coordinator exposed to reach its agents never
+serves the model to anyone without a secret. /health is open, as on `serve`."""
 
 from __future__ import annotations
 
@@ -9,31 +13,53 @@ import time
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from transformers import PreTrainedTokenizerBase
 
+from ..openai_api import HEALTH_PATH, APIError, install_errors
 from ..stream.server import create_app
 from .generation import PipelineModel
 
 
 def coordinator_app(model: PipelineModel, tokenizer: PreTrainedTokenizerBase | None, model_id: str,
-                    stages: Path, token: str) -> FastAPI:
+                    stages: Path, token: str, *, api_key: str | None = None,
+                    aliases: tuple[str, ...] = (), chat_template: str | None = None) -> FastAPI:
     """Stages under /stages/<stage id>/<file>; /v1/completions and friends when there is a tokenizer."""
-    app = create_app(model, tokenizer, model_id) if tokenizer is not None else FastAPI(title="shardstream coordinator")
+    if tokenizer is not None:
+        app = create_app(model, tokenizer, model_id, engine=model.engine, aliases=aliases,
+                         chat_template=chat_template)
+    else:
+        app = FastAPI(title="shardstream coordinator")
+        install_errors(app)
     stages.mkdir(parents=True, exist_ok=True)
     app.mount("/stages", StaticFiles(directory=stages), name="stages")
-    expected = f"Bearer {token}".encode()
-
-    @app.middleware("http")
-    async def _authorized(request: Request, call_next):
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
-                                content={"detail": "the coordinator needs 'Authorization: Bearer <token>' with its --token"})
-        return await call_next(request)
-
+    app.add_middleware(_Secrets, token=token, api_key=api_key)
     return app
+
+
+class _Secrets:
+    """Plain ASGI middleware (as `install_api_key`, so handlers still see a client disconnect):
+    /stages/* wants the --token, /health nothing, every other path --api-key (else the --token)."""
+
+    def __init__(self, app, token: str, api_key: str | None):
+        self.app = app
+        self.token = f"Bearer {token}".encode()
+        self.api = f"Bearer {api_key or token}".encode()
+        self.api_flag = "--api-key" if api_key else "--token (no --api-key was given)"
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path != HEALTH_PATH:
+            stages = path == "/stages" or path.startswith("/stages/")
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.token if stages else self.api):
+                what = "stage files need the coordinator's --token" if stages else \
+                    f"API needs the coordinator's {self.api_flag}"
+                error = APIError(401, f"incorrect or missing key: the {what}; send 'Authorization: Bearer <it>'.",
+                                 None, "invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BackgroundServer:

@@ -9,6 +9,8 @@ block puts them back unchanged (some families scale embeddings inside `forward`)
 stops right after its last block, before the final norm, which it does not hold.
 When the stage's experts are placed on tiers, its blocks load without them and the streaming
 runtime's `OnDemandExperts` reads only the experts the router picks (from the stage's own tiers).
+With a `stream_budget` (the plan gave this device more blocks than its memory holds) the blocks are
+streamed from the stage's files instead (see streamed.py): the same forward, hooks and caches.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from ..errors import InvalidOption, UnsupportedModel
 from ..store.sharding import load_index
 from ..store import Store
-from ..stream.experts import OnDemandExperts
+from ..stream.experts import ExpertlessLoader, OnDemandExperts
+from ..stream.loader import BlockLoader, LoadedBlock
 from ..stream.model import common_module, config_dtype, build_meta_model
+from ..stream.residency import resolve_budget
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta
+from .streamed import StreamedBlocks
 
 MAX_SESSIONS = 8
 
@@ -41,7 +46,7 @@ class StageModel:
     """Runs `forward(session, position, ids_or_hidden)`; the first stage takes token ids, the last
     returns the next-token logits, any other returns hidden states."""
 
-    def __init__(self, store: Store, first: int, last: int):
+    def __init__(self, store: Store, first: int, last: int, stream_budget: int | None = None):
         n = store.num_layers
         if not 0 <= first < last <= n:
             raise InvalidOption(f"stage blocks [{first}, {last}) are outside the model's {n} blocks; re-plan.")
@@ -54,14 +59,20 @@ class StageModel:
         prefixes = [_renumbered(p, k) for k, p in enumerate(global_prefixes)]
         renamed = _GlobalNames(self.model, dict(zip(global_prefixes, prefixes)))
         self.experts = _on_demand_experts(store, first, last, renamed, mapper)
-        skip = self.experts.checkpoint_names if self.experts else set()
-        for index, (old, new) in enumerate(zip(global_prefixes, prefixes)):
-            tensors = store.load(f"mid/{first + index}", verify=True, experts=self.experts is None)
-            params = mapper.convert({name: tensor for name, tensor in tensors.items() if name not in skip})
-            Slots(self.model.get_submodule(new), new).fill(
-                {new + name[len(old):]: tensor for name, tensor in params.items()})
-        self._fill_outside(store, mapper, prefixes)
+        self._renames = list(zip(global_prefixes, prefixes))
         self._blocks = [self.model.get_submodule(p) for p in prefixes]
+        self.streaming: StreamedBlocks | None = None
+        if stream_budget is None:
+            skip = self.experts.checkpoint_names if self.experts else set()
+            for index in range(last - first):
+                tensors = store.load(f"mid/{first + index}", verify=True, experts=self.experts is None)
+                params = mapper.convert({name: tensor for name, tensor in tensors.items() if name not in skip})
+                Slots(self._blocks[index], prefixes[index]).fill(self._renamed(index, params))
+            self._fill_outside(store, mapper, prefixes)
+        else:
+            outside = self._fill_outside(store, mapper, prefixes)
+            self.streaming = self._stream(store, mapper, prefixes, min(stream_budget, resolve_budget("auto", outside)))
+        self._closed = False
         self._caches: OrderedDict[str, DynamicCache] = OrderedDict()
         self._lock = threading.Lock()
         self._incoming: torch.Tensor | None = None
@@ -69,8 +80,35 @@ class StageModel:
         if not self.is_last:
             self._blocks[-1].register_forward_hook(self._stop)
 
-    def _fill_outside(self, store: Store, mapper: WeightMapper, prefixes: list[str]) -> None:
-        """Embeddings on the first stage, final norm and head on the last; the rest stays on meta."""
+    def _renamed(self, index: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Block `index`'s parameters from the full model's names to the stage's."""
+        old, new = self._renames[index]
+        return {new + name[len(old):]: tensor for name, tensor in params.items()}
+
+    def _stream(self, store: Store, mapper: WeightMapper, prefixes: list[str], budget: int) -> StreamedBlocks:
+        """The stream runtime's loader over the stage's files (O_DIRECT when they exceed memory); the
+        budget is the plan's, capped by what this process may use now (resolve_budget's 'auto')."""
+        cpu = torch.device("cpu")
+        loader = (ExpertlessLoader(store, mapper, cpu, True, self.experts.checkpoint_names) if self.experts
+                  else BlockLoader(store, mapper, cpu, True))
+
+        def load(index: int) -> LoadedBlock:
+            block = loader.load(self.first + index)
+            block.params = self._renamed(index, block.params)
+            return block
+
+        slots = [Slots(block, prefix) for block, prefix in zip(self._blocks, prefixes)]
+        released = (lambda index: self.experts.release(self.first + index)) if self.experts else (lambda index: None)
+        return StreamedBlocks(self._blocks, slots, load, budget, released)
+
+    @property
+    def streamed_blocks(self) -> list[int]:
+        """The blocks (global indices) read from disk on every pass; empty for a stage in memory."""
+        return [self.first + k for k in self.streaming.streamed] if self.streaming else []
+
+    def _fill_outside(self, store: Store, mapper: WeightMapper, prefixes: list[str]) -> int:
+        """Embeddings on the first stage, final norm and head on the last; the rest stays on meta.
+        Returns the bytes filled."""
         parts = (["start"] if self.is_first else []) + (["end"] if self.is_last else [])
         tensors: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -88,6 +126,7 @@ class StageModel:
                 raise UnsupportedModel(
                     f"{type(self.model).__name__} uses {sorted(other)[:3]} before its blocks besides the token "
                     "embeddings, so only a single stage can run it; plan it on one device.")
+        return outside.nbytes
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -108,6 +147,8 @@ class StageModel:
         """Ids [1, s] (first stage) or hidden states [1, s, h] at `position` -> hidden [1, s, h] or
         logits [1, vocab] of the last position (last stage)."""
         with self._lock, torch.no_grad():
+            if self._closed:
+                raise InvalidOption(f"blocks {self.first}-{self.last - 1} were unloaded; re-send on the current plan.")
             cache = self._cache(session, position)
             kwargs = dict(past_key_values=cache, use_cache=True)
             if self.is_first:
@@ -123,6 +164,8 @@ class StageModel:
                 return stop.hidden
             finally:
                 self._incoming = None
+                if self.streaming:
+                    self.streaming.release()
             raise AssertionError("a stage without the head must stop after its last block")
 
     def _cache(self, session: str, position: int) -> DynamicCache:
@@ -144,6 +187,13 @@ class StageModel:
     def end(self, session: str) -> None:
         with self._lock:
             self._caches.pop(session, None)
+
+    def close(self) -> None:
+        """Stop a streamed stage's reader (after the pass in progress); later passes are refused."""
+        with self._lock:
+            self._closed = True
+            if self.streaming:
+                self.streaming.close()
 
 
 class _GlobalNames:

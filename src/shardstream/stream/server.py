@@ -25,20 +25,16 @@ from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest,
                           install_errors)
 from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter
-from .text import chat_prompt, eos_ids, pad_id
+from .text import chat_prompt
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its client is still there
 
 
-def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine=None,
+def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine,
                aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
-    """`engine` steps the sequences (a BatchEngine); without one, `model.generate()` serves one request
-    at a time (the pipeline coordinator's model)."""
-    if engine is None:
-        from .serial import SerialEngine
-
-        engine = SerialEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer))
+    """`engine` runs the sequences: a BatchEngine (`serve`) or the pipeline's PipelineEngine; `model`
+    gives the context length (`config.max_position_embeddings`)."""
     served = [model_id, *[alias for alias in aliases if alias != model_id]]
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     app = FastAPI(title="shardstream")
