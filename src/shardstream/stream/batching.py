@@ -21,20 +21,19 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
 
 from ..errors import InvalidOption
 from ..sizes import parse_size
+from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
 from .model import check_context
-from .residency import available_memory
 
 log = logging.getLogger("shardstream.batching")
 
 NO_TOKEN = -1          # the token of a cancelled sequence's last event: no token was generated
-KV_AUTO_SHARE = 0.5    # kv_cache_budget="auto": this share of the memory available when the engine starts
 
 
 @dataclass(frozen=True)
@@ -175,14 +174,21 @@ def _layers(cache: DynamicCache) -> list:
 
 
 def _merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor) -> torch.Tensor:
-    """Append `other`'s rows to `cache` (in place), left-padding the shorter one; returns the merged mask."""
-    length, other_length = mask.shape[1], other_mask.shape[1]
+    """Append `other`'s rows to `cache` (in place), left-padding the shorter one; returns the merged mask.
+
+    Each merged tensor is filled in place and `other`'s layer is dropped at once, so the peak is the
+    merged cache plus one layer, not the old cache and the merged one side by side."""
+    rows, length, other_length = mask.shape[0], mask.shape[1], other_mask.shape[1]
     total = max(length, other_length)
     for mine, theirs in zip(_layers(cache), _layers(other), strict=True):
-        mine.keys = torch.cat([_pad_left(mine.keys, total - length, -2),
-                               _pad_left(theirs.keys, total - other_length, -2)])
-        mine.values = torch.cat([_pad_left(mine.values, total - length, -2),
-                                 _pad_left(theirs.values, total - other_length, -2)])
+        for name in ("keys", "values"):
+            old, new = getattr(mine, name), getattr(theirs, name)
+            merged = old.new_zeros((old.shape[0] + new.shape[0], *old.shape[1:-2], total, old.shape[-1]))
+            merged[:rows, ..., total - length:, :] = old
+            merged[rows:, ..., total - other_length:, :] = new
+            setattr(mine, name, merged)
+            setattr(theirs, name, None)
+            del old, new
     return torch.cat([_pad_left(mask, total - length, 1), _pad_left(other_mask, total - other_length, 1)])
 
 
@@ -197,22 +203,11 @@ def _select(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> torch.T
     return mask[:, leading:]
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """An estimate of one token's keys and values over all layers (corrected from the real cache later)."""
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = 1 if getattr(text, "multi_query", False) else (
-        getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
 def resolve_kv_budget(budget: int | str | None) -> int | None:
-    """Bytes the running batch's KV cache may take: None = no bound; 'auto' = KV_AUTO_SHARE of free memory."""
-    if budget is None:
+    """A fixed bound on the running batch's KV bytes, or None: 'auto' leaves the bound to the memory left
+    (checked at every admission, see admission.py), None sets no bound at all."""
+    if budget is None or budget == "auto":
         return None
-    if budget == "auto":
-        return int(available_memory()[0] * KV_AUTO_SHARE)
     value = parse_size(budget, "kv_cache_budget") if isinstance(budget, str) else budget
     if value <= 0:
         raise InvalidOption(f"kv_cache_budget must be positive, 'auto' or None, not {budget!r}.")
@@ -251,9 +246,13 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
+        self.memory_bound = kv_cache_budget is not None   # "auto" or a number: admit only what memory holds
+        if self.memory_bound:
+            map_large_allocations()
         self.device = torch.device(getattr(model, "device", "cpu"))
         dtype = getattr(model, "dtype", None) or model.model.dtype
-        self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)
+        self.shape = Shape.of(model.config, dtype)
+        self._streamed = False   # until the first pass, the streamed blocks' buffers are not allocated yet
         self.forward_passes = 0
         self.tokens_generated = 0
         self._waiting: deque[Sequence] = deque()
@@ -357,31 +356,67 @@ class BatchEngine:
                 sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
         self._keep_unfinished()
 
-    def _footprint(self, sequences: list[Sequence]) -> int:
-        """Worst-case KV bytes of a left-padded batch: rows x its longest prompt + new tokens."""
-        longest = max(s.prompt_tokens + s.params.max_new_tokens for s in sequences)
-        return len(sequences) * longest * self.kv_bytes_per_token
+    def _needs(self, group: list[Sequence]) -> tuple[int, int]:
+        """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
+        is allocated now, at the worse of two moments: the group's prefill passes, with the caches as they
+        are then plus the prefill's activations; and the batch's last token, with its cache at its widest
+        plus a decode pass's activations).
+
+        The batch is left-padded, so every row is as wide as the widest: the merged width (the running
+        width after the group's prefill passes, or the group's longest prompt) plus the most tokens any
+        row may still generate."""
+        shape, running = self.shape, len(self._running)
+        longest = max(s.prompt_tokens for s in group)
+        passes, columns = prefill_passes(len(group), longest, self.prefill_chunk_tokens)
+        running_width = self._mask.shape[1] + passes if running else 0
+        width = max(running_width, longest)
+        remaining = max(s.params.max_new_tokens - len(s.generated) for s in [*self._running, *group])
+        kv = kv_peak(shape, running + len(group), width, remaining)
+        echo = any(s.params.prompt_logprobs for s in group)
+        prefill = (kv_peak(shape, running, running_width, 0) + kv_peak(shape, len(group), longest, 0)
+                   + shape.pass_bytes(len(group), columns, longest, longest if echo else 1))
+        last = kv + shape.pass_bytes(running + len(group), 1, width + remaining, 1)
+        allocated = sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self._cache)) if self._cache else 0
+        return kv, max(prefill, last) - allocated
+
+    def _room(self) -> int | None:
+        """Bytes the batch may still take now (None: no memory bound), the streamed blocks' first buffers reserved."""
+        if not self.memory_bound:
+            return None
+        return room(0 if self._streamed else getattr(self.model, "stream_working_set", 0))
 
     def _admit(self) -> _Prefill | None:
-        """Take waiting sequences while the batch size and the KV-cache budget allow; say which bound bit."""
+        """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
+        which bound bit. A sequence that does not fit waits for running ones to finish; one alone is
+        always admitted, so that every request completes."""
         group: list[Sequence] = []
         limit = None
+        free = self._room() if self._waiting else None
         with self._condition:
             while self._waiting:
                 if len(self._running) + len(group) >= self.max_batch_size:
                     limit = f"max_batch_size={self.max_batch_size}"
                     break
-                candidate = [*self._running, *group, self._waiting[0]]
-                if (self.kv_cache_budget is not None and self._footprint(candidate) > self.kv_cache_budget
-                        and len(candidate) > 1):
+                candidate = [*group, self._waiting[0]]
+                kv, needed = self._needs(candidate)
+                alone = len(self._running) + len(candidate) == 1
+                if not alone and self.kv_cache_budget is not None and kv > self.kv_cache_budget:
                     limit = f"the KV-cache budget of {self.kv_cache_budget} bytes"
                     break
+                if free is not None and needed > free:
+                    if not alone:
+                        limit = f"memory ({max(free, 0) >> 20} MiB left for the batch, {needed >> 20} MiB needed)"
+                        break
+                    if self._streamed:   # before the first pass, the room is an underestimate
+                        log.warning("one sequence alone needs %d MiB but %d MiB are left; running it anyway",
+                                    needed >> 20, max(free, 0) >> 20)
                 group.append(self._waiting.popleft())
             waiting = len(self._waiting)
-        if limit != self._limit and limit is not None:
+        bound = limit.split(" (")[0] if limit else None   # say it once per change of bound, not per step
+        if bound != self._limit and limit is not None:
             log.info("batch limited by %s: %d running, %d admitted, %d waiting",
                      limit, len(self._running), len(group), waiting)
-        self._limit = limit
+        self._limit = bound
         if not group:
             return None
         longest = max(s.prompt_tokens for s in group)
@@ -398,6 +433,7 @@ class BatchEngine:
             out = self.model(ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
                              past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.forward_passes += 1
+        self._streamed = True
         return out.logits
 
     def _prefill_step(self) -> None:
@@ -428,7 +464,7 @@ class BatchEngine:
             self._cache, self._mask = group.cache, mask
         self._running.extend(group.sequences[row] for row in keep)
         used = sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self._cache))
-        self.kv_bytes_per_token = max(1, used // self._mask.numel())
+        self.shape = replace(self.shape, kv_per_token=max(1, used // self._mask.numel()))
 
     def _prompt_logprobs(self, group: _Prefill) -> None:
         logprobs = torch.log_softmax(torch.cat(group.logits, 1).float(), -1)

@@ -118,6 +118,10 @@ class StreamingModel:
         for index in self.resident_blocks:
             self._fill(index, self._loader.load(index))
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
+        # bytes the blocks in flight take once streaming starts (O_DIRECT buffers or mapped pages): the batch
+        # engine keeps them free until its first pass (see admission.py)
+        in_flight = prefetch_depth + 1 if prefetching else 1
+        self.stream_working_set = in_flight * max((sizes[i] for i in streamed), default=0)
         self._source = (Prefetcher(self._loader.load, streamed, prefetch_depth) if prefetching and streamed
                         else DirectLoader(self._loader.load))
         self._active: tuple[int, LoadedBlock, float, float] | None = None

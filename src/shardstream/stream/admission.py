@@ -1,0 +1,107 @@
+"""How many more sequences the running batch can take without running out of memory.
+
+Checked at every admission against the memory really left (`available_memory`, a cgroup cap
+included), not once when the engine starts: a budget fixed at start counted as free the bytes that
+the streamed blocks take only on the first pass (two O_DIRECT buffers of a block each), and under a
+600 MiB cap 16 concurrent requests were killed (issue 10). A candidate batch fits when what it still
+needs (its KV caches and a pass's activations, at the worse of its prefill and its last token) stays
+within what is available now, minus the streaming working set not allocated yet and a fixed slack for
+the server's own objects. The engine (`batching.py`) does the bookkeeping; this module the sizes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .residency import available_memory
+
+SLACK = 32 << 20     # never planned: request objects, tokenizer calls, allocator fragments, a reader thread's stack
+SAFETY = 1.25        # activation estimates x this: transformers keeps a few more temporaries than counted
+M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20   # allocations from this size get their own mapping (see map_large_allocations)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes that set a pass's memory, from the model's config."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+    kv_per_token: int    # keys and values of one token over all layers, bytes
+    element: int         # bytes per activation element
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype) -> Shape:
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        kv_heads = 1 if getattr(text, "multi_query", False) else (
+            getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        element = torch.tensor([], dtype=dtype).element_size()
+        intermediate = (getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+                        or 4 * text.hidden_size)
+        return cls(layers=text.num_hidden_layers, hidden=max(text.hidden_size, heads * head_dim),
+                   intermediate=intermediate, heads=heads, vocab=text.vocab_size,
+                   kv_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element, element=element)
+
+    def pass_bytes(self, rows: int, new_columns: int, width: int, logit_columns: int) -> int:
+        """Peak temporaries of one pass over the blocks: per new token the hidden-sized states (residual,
+        norm, q/k/v, attention and MLP outputs: 9) and the MLP's intermediate ones (gate, up, product: 4),
+        the attention scores and their softmax, one layer's keys and values copied as the cache grows
+        (and repeated for grouped heads), and the logits kept, with their float and log-softmax copies."""
+        tokens = rows * new_columns
+        per_token = (9 * self.hidden + 4 * self.intermediate) * self.element
+        scores = 2 * rows * self.heads * new_columns * width * self.element
+        layer_kv = 2 * rows * width * self.kv_per_token // self.layers
+        logits = rows * logit_columns * self.vocab * (self.element + 8)
+        return int(SAFETY * (tokens * per_token + scores + layer_kv + logits))
+
+
+def room(unallocated: int) -> int:
+    """Bytes the batch may still take now: available memory minus the streaming working set that is
+    not allocated yet (`unallocated`) and SLACK. Freed heap memory is given back to the system first,
+    or it would count as used."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    return available_memory()[0] - unallocated - SLACK
+
+
+def map_large_allocations() -> None:
+    """Have glibc give every allocation of MMAP_THRESHOLD or more its own mapping, returned to the system
+    when freed. A KV cache grows by a new, slightly larger tensor per layer per step; from glibc's heap
+    (where its adaptive threshold puts tensors of a few MB) the freed smaller ones cannot be reused and
+    the process grew a third beyond its caches, past what admission planned (measured under a 600 MiB
+    cap: 24 sequences took 195 MiB for 144 MiB of cache; mapped, 21 took 164 MiB for 126 MiB, as planned).
+    Process-wide and idempotent; a no-op without glibc."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+@functools.cache
+def _libc():
+    """glibc (it has malloc_trim and mallopt), or None for another C library."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+def kv_peak(shape: Shape, rows: int, width: int, remaining: int) -> int:
+    """KV bytes of `rows` left-padded rows once `width` columns have grown by `remaining` more tokens."""
+    return rows * (width + remaining) * shape.kv_per_token
+
+
+def prefill_passes(rows: int, longest: int, chunk_tokens: int) -> tuple[int, int]:
+    """(passes, columns per pass) of prefilling `rows` prompts of at most `longest` tokens, as the engine chunks."""
+    columns = min(longest, max(1, chunk_tokens // rows))
+    return math.ceil(longest / columns), columns

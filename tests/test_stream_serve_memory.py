@@ -1,0 +1,113 @@
+"""`shardstream serve` under a real memory cap (memcap: a cgroup that counts the page cache) with many
+concurrent clients: the batch takes only what fits, the others wait, every answer equals the model's
+greedy answer alone, and the server is alive after (issue 10: it was OOM-killed at 16 concurrent).
+
+The model is scaled down from the benchmark's (4 fp32 blocks of 51 MB, larger than what the cap leaves,
+so blocks are read with O_DIRECT into two buffers that only appear on the first pass)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardstream.convert import convert
+from tiny_models import char_tokenizer
+
+MEMCAP = Path("/work/shared/tools/memcap")
+CAP = "450M"       # the server's ~280 MB of Python, torch and uvicorn, two 51 MB read buffers, and ~70 MB left
+CLIENTS = 32
+DISTINCT = 4       # prompts, each asked by CLIENTS / DISTINCT clients (the references are computed alone)
+NEW_TOKENS = 8
+
+
+def _memcap_missing() -> str | None:
+    if not MEMCAP.is_file():
+        return f"needs {MEMCAP}"
+    if os.geteuid() != 0:
+        return "memcap needs root to create a cgroup"
+    if not Path("/sys/fs/cgroup/memory").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+        return "needs a cgroup memory controller"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_memcap_missing() is not None, reason=_memcap_missing() or "")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("capped")
+    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                  num_attention_heads=16, num_key_value_heads=16, vocab_size=128,
+                                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.save_pretrained(folder / "ckpt")
+    tokenizer = char_tokenizer()
+    tokenizer.save_pretrained(folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", progress=False)
+    return folder / "store", reference, tokenizer
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        return json.loads(reply.read())
+
+
+def test_32_concurrent_clients_under_a_memory_cap_all_get_their_greedy_answer(store, tmp_path):
+    path, reference, tokenizer = store
+    distinct = [f"Client {i}: " + "to be or not to be, " * (1 + i % 3) for i in range(DISTINCT)]
+    alone = {}
+    for prompt in distinct:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+        alone[prompt] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    prompts = [distinct[i % DISTINCT] for i in range(CLIENTS)]
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen(
+        [str(MEMCAP), CAP, "--cold", str(path), "--", str(Path(sys.executable).with_name("shardstream")), "serve",
+         str(path), "--port", str(port), "--max-batch-size", str(CLIENTS), "--quiet", "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.3)
+
+        def ask(prompt: str) -> str:
+            reply = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+            return reply["choices"][0]["text"]
+
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            answers = list(pool.map(ask, prompts))
+        assert server.poll() is None, log.read_text()
+        assert answers == [alone[p] for p in prompts]
+        urllib.request.urlopen(url + "/health", timeout=5).read()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    text = log.read_text()
+    assert "batch limited by memory" in text, text   # the bound that applied is said, and it was memory
