@@ -42,9 +42,10 @@ CONTEXT = 256
 IN_FLIGHT = (1, 2, 4, 8)   # requests submitted together (at most the stages' 8 KV sessions)
 
 
-def build_store(folder: Path, layers: int, hidden: int) -> tuple[Path, AutoModelForCausalLM]:
-    config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
+def build_store(folder: Path, layers: int, hidden: int, intermediate: int | None = None,
+                kv_heads: int = 4) -> tuple[Path, AutoModelForCausalLM]:
+    config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=intermediate or hidden * 8 // 3,
+                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=kv_heads, vocab_size=2048,
                                   max_position_embeddings=CONTEXT, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -208,13 +209,7 @@ def streamed_main(tokens: int, cap: str) -> None:
     prompt = torch.arange(3, 19).unsqueeze(0)
     with tempfile.TemporaryDirectory(dir="/tmp") as temp:
         folder = Path(temp)
-        config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
-                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=2048,
-                                      max_position_embeddings=CONTEXT, tie_word_embeddings=False)
-        torch.manual_seed(0)
-        reference = AutoModelForCausalLM.from_config(config).eval()
-        reference.save_pretrained(folder / "ckpt")
-        convert(folder / "ckpt", folder / "store", progress=False)
+        _, reference = build_store(folder, layers=24, hidden=512, intermediate=1536, kv_heads=8)
         clock = StepClock(None)
         expected = reference.generate(prompt, max_new_tokens=tokens, do_sample=False, streamer=clock)
         single = statistics.median(clock.times)

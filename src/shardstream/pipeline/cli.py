@@ -130,7 +130,7 @@ def coordinator_command(
 ) -> None:
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
-    from ..stream.serve_cli import _read_template
+    from ..stream.serve_cli import read_template
     from ..stream.stops import stop_streamer
     from ..stream.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient
@@ -161,7 +161,7 @@ def coordinator_command(
         tokenizer = load_tokenizer(pipeline) if generate or serving else None
         names = [n.strip() for value in (model_name or [str(model)]) for n in value.split(",") if n.strip()]
         app = coordinator_app(pipeline, tokenizer, names[0], work_dir / "stages", token, api_key=api_key,
-                              aliases=tuple(names[1:]), chat_template=_read_template(chat_template))
+                              aliases=tuple(names[1:]), chat_template=read_template(chat_template))
         server = BackgroundServer(app, host, serve_port or 0)
         try:
             coordinator.stage_url = f"http://{pipeline.reply_host}:{server.port}/stages/"

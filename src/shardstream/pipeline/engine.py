@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
-from ..stream.batching import NO_TOKEN, SamplingParams, Sequence, TokenEvent, _choose
+from ..stream.batching import NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token, open_sequence
 from .coordinator import Coordinator
 from .stage import MAX_SESSIONS
 from .transport import Inbox, Outbox
@@ -66,13 +66,14 @@ class PipelineEngine:
     the stages' timings) and `last_timings`."""
 
     def __init__(self, coordinator: Coordinator, reply_host: str, *, eos_token_ids: set[int], context_length: int,
-                 max_active: int = MAX_SESSIONS):
+                 vocabulary: int, max_active: int = MAX_SESSIONS):
         if not 1 <= max_active <= MAX_SESSIONS:
             raise InvalidOption(f"max_active must be between 1 and {MAX_SESSIONS} (the KV sessions a stage keeps), "
                                 f"not {max_active}.")
         self.coordinator = coordinator
         self.eos_token_ids = set(eos_token_ids)
         self.context_length = context_length
+        self.vocabulary = vocabulary
         self.max_active = max_active
         self.recoveries = 0
         self.tokens_generated = 0
@@ -95,10 +96,7 @@ class PipelineEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Thread-safe. Refuses what the planned context cannot hold (KV memory was budgeted for
         --context-length tokens) and prompt scores, which the stages do not return."""
-        if not prompt_ids:
-            raise InvalidOption("the prompt is empty; give at least one token.")
-        if params.max_new_tokens < 1:
-            raise InvalidOption(f"max_new_tokens must be at least 1, not {params.max_new_tokens}.")
+        sequence = open_sequence(prompt_ids, params, self.vocabulary, "cpu", self._notify)
         if len(prompt_ids) + params.max_new_tokens > self.context_length:
             raise InvalidOption(f"the prompt ({len(prompt_ids)} tokens) plus {params.max_new_tokens} new tokens exceeds "
                                 f"the pipeline's --context-length of {self.context_length}; ask for fewer tokens or "
@@ -106,12 +104,6 @@ class PipelineEngine:
         if params.prompt_logprobs:
             raise InvalidOption("the pipeline's last stage returns the logits of the last position only, so echo "
                                 "with logprobs (prompt scores) is not supported; leave out echo or logprobs.")
-        generator = torch.Generator()
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
-        sequence = Sequence(prompt_ids, params, generator, self._notify)
         with self._condition:
             if self._closed:
                 raise InvalidOption("the pipeline engine is closed; submit to an open one.")
@@ -125,9 +117,7 @@ class PipelineEngine:
             self._closed = True
             self._condition.notify()
         self._thread.join()
-        for sequence in [*self._waiting, *(a.sequence for a in self._active.values())]:
-            if not sequence.done:
-                sequence.emit(TokenEvent(NO_TOKEN, None, "cancelled"))
+        cancel_all([*self._waiting, *(a.sequence for a in self._active.values())])
         self._outbox.close()
         self._inbox.close()
         self._context.term()
@@ -204,7 +194,7 @@ class PipelineEngine:
         if sequence.cancel_reason:
             self._finish(active, TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
             return
-        token, logprob = _choose(sequence, tensor[0])
+        token, logprob = choose_token(sequence, tensor[0])
         sequence.generated.append(token)
         self.tokens_generated += 1
         finish = ("stop" if token in self.eos_token_ids

@@ -25,7 +25,7 @@ class PipelineModel:
         # the OpenAI server checks prompts and max_tokens against this: KV memory was planned for --context-length
         self.config.max_position_embeddings = min(context, getattr(self.config, "max_position_embeddings", None) or context)
         self.engine = PipelineEngine(coordinator, reply_host, eos_token_ids=set(self.generation_config.eos_token_id or []),
-                                     context_length=context)
+                                     context_length=context, vocabulary=self.config.get_text_config().vocab_size)
 
     @property
     def recoveries(self) -> int:

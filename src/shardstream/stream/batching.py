@@ -129,7 +129,36 @@ def _logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, logprobs[token].item(), alternatives)
 
 
-def _choose(sequence: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+def open_sequence(prompt_ids: list[int], params: SamplingParams, vocabulary: int, device,
+                  notify: Callable[[], None]) -> Sequence:
+    """A sequence with its own generator, after the checks every engine makes of a request."""
+    if not prompt_ids:
+        raise InvalidOption("the prompt is empty; give at least one token.")
+    if params.max_new_tokens < 1:
+        raise InvalidOption(f"max_new_tokens must be at least 1, not {params.max_new_tokens}.")
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or (params.logprobs or 0) < 0:
+        raise InvalidOption(f"sampling parameters out of range ({params}); use temperature >= 0, "
+                            "0 < top_p <= 1, top_k >= 0 and logprobs >= 0.")
+    outside = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocabulary]
+    if outside:
+        raise InvalidOption(f"prompt token {outside[0]!r} is not an id of the model's vocabulary "
+                            f"(0 to {vocabulary - 1}); tokenize with the model's tokenizer.")
+    generator = torch.Generator(device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return Sequence(prompt_ids, params, generator, notify)
+
+
+def cancel_all(sequences) -> None:
+    """What an engine's close() does to every sequence it still holds."""
+    for sequence in sequences:
+        if not sequence.done:
+            sequence.emit(TokenEvent(NO_TOKEN, None, "cancelled"))
+
+
+def choose_token(sequence: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
     """One token for one sequence from its raw logits row, with its own sampling parameters."""
     params = sequence.params
     raw = logits.float()
@@ -270,25 +299,9 @@ class BatchEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Thread-safe. Raises InvalidOption for an empty prompt or one beyond the model's context."""
-        if not prompt_ids:
-            raise InvalidOption("the prompt is empty; give at least one token.")
-        if params.max_new_tokens < 1:
-            raise InvalidOption(f"max_new_tokens must be at least 1, not {params.max_new_tokens}.")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or (params.logprobs or 0) < 0:
-            raise InvalidOption(f"sampling parameters out of range ({params}); use temperature >= 0, "
-                                "0 < top_p <= 1, top_k >= 0 and logprobs >= 0.")
-        vocabulary = self.model.config.get_text_config().vocab_size
-        outside = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocabulary]
-        if outside:
-            raise InvalidOption(f"prompt token {outside[0]!r} is not an id of the model's vocabulary "
-                                f"(0 to {vocabulary - 1}); tokenize with the model's tokenizer.")
-        check_context(self.model.config, len(prompt_ids), params.max_new_tokens)
-        generator = torch.Generator(self.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
-        sequence = Sequence(prompt_ids, params, generator, self._notify)
+        config = self.model.config
+        sequence = open_sequence(prompt_ids, params, config.get_text_config().vocab_size, self.device, self._notify)
+        check_context(config, len(prompt_ids), params.max_new_tokens)
         with self._condition:
             if self._closed:
                 raise InvalidOption("the batch engine is closed; submit to an open one.")
@@ -302,9 +315,7 @@ class BatchEngine:
             self._closed = True
             self._condition.notify()
         self._thread.join()
-        for sequence in [*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])]:
-            if not sequence.done:
-                sequence.emit(TokenEvent(NO_TOKEN, None, "cancelled"))
+        cancel_all([*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])])
         self._waiting.clear()
         self._running, self._prefill, self._cache, self._mask = [], None, None, None
 
@@ -487,7 +498,7 @@ class BatchEngine:
         self._keep_unfinished()
 
     def _advance(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        token, logprob = _choose(sequence, logits)
+        token, logprob = choose_token(sequence, logits)
         sequence.generated.append(token)
         self.tokens_generated += 1
         finish = ("stop" if token in self.eos_token_ids

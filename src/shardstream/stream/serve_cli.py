@@ -46,7 +46,7 @@ def serve_command(
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     names = [name.strip() for value in (model_name or [source]) for name in value.split(",") if name.strip()]
-    template = _read_template(chat_template)
+    template = read_template(chat_template)
     listener = _bind(host, port)
     import uvicorn
 
@@ -124,7 +124,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _read_template(path: Path | None) -> str | None:
+def read_template(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
