@@ -17,9 +17,7 @@ import typer
 
 from ..errors import InvalidOption
 from .cli import Device, Source, StorePath, open_model
-
-SERVE_RESIDENT_SHARE = 0.5   # of `auto`'s resident-block budget when batching; the rest is left to the batch
-
+from .residency import batch_resident_budget
 
 def serve_command(
     source: Source,
@@ -55,7 +53,7 @@ def serve_command(
     from .server import create_app
     from .text import eos_ids, load_tokenizer, pad_id
 
-    resident = _resident_budget(max_resident_memory, max_batch_size)
+    resident = batch_resident_budget(max_resident_memory, max_batch_size)
     _log_batch_bounds()
     with listener, open_model(source, store_path, resident, device, progress=not no_progress) as model:
         tokenizer = load_tokenizer(model)
@@ -73,17 +71,6 @@ def serve_command(
         finally:
             engine.close()
             _say("shardstream serve: stopped")
-
-
-def _resident_budget(max_resident_memory: str, max_batch_size: int) -> str:
-    """`auto` keeps blocks resident out of SERVE_RESIDENT_SHARE of what it would alone: a resident block
-    saves one block read per pass, while the same bytes of KV cache let more requests share every pass
-    (under a 600 MiB cap: 3 resident blocks are the KV caches of 25 requests of 48 tokens)."""
-    if max_resident_memory != "auto" or max_batch_size == 1:
-        return max_resident_memory
-    from .residency import resolve_budget
-
-    return str(int(resolve_budget("auto", 0) * SERVE_RESIDENT_SHARE))
 
 
 def _log_batch_bounds() -> None:
