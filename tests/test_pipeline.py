@@ -522,3 +522,28 @@ def test_a_killed_agent_replays_every_request_in_flight(tiny, agents, deployed, 
     assert pipeline.recoveries == 1 and pipeline.engine.peak_active == 4
     assert [s.device for s in coordinator.route.plan.stages] == [n for n in expected_order if n != agents[victim].name]
     agents[victim] = _restart(agents[victim], tmp_path)
+
+
+def test_an_agent_killed_as_it_loads_its_stage_is_named_and_planned_around(tiny, agents, deployed, tmp_path,
+                                                                          monkeypatch, caplog):
+    """Issue 11 (2): an agent the kernel kills while it loads (SIGKILL, as the OOM killer does) is
+    named with the reason the coordinator believes, and the new plan leaves it out."""
+    _, reference, tokenizer = tiny
+    pipeline, _ = deployed
+    coordinator = pipeline.coordinator
+    victim = next(i for i, a in enumerate(agents) if a.name == "c")
+    client, post = coordinator.agents["c"], coordinator.agents["c"].post
+
+    def killed_on_load(path, body, **kwargs):
+        if path == "/v1/stage/load":
+            agents[victim].kill()
+        return post(path, body, **kwargs)
+
+    monkeypatch.setattr(client, "post", killed_on_load)
+    with caplog.at_level("WARNING", logger="shardstream.pipeline.coordinator"):
+        route = coordinator.deploy()
+    assert "agent c died while loading its stage" in caplog.text and "killed by a signal" in caplog.text
+    assert [s.device for s in route.plan.stages] == ["a", "b"] and "c" in coordinator.lost
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    assert torch.equal(pipeline.generate(ids, max_new_tokens=8)[0], _reference(reference, tokenizer, 8))
+    agents[victim] = _restart(agents[victim], tmp_path)
