@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -235,10 +236,14 @@ def test_low_disk_threshold_warns(tmp_path):
     open_store(tmp_path / "store")
 
 
-def test_layer_memory_warning(tmp_path):
+def test_layer_memory_warning_only_where_a_layer_is_held_in_memory(tmp_path):
+    """Copying streams a layer through a small buffer; quantizing holds it."""
     save_checkpoint("llama", tmp_path / "src")
-    with pytest.warns(UserWarning, match="holds .* GB in memory"):
-        convert(tmp_path / "src", tmp_path / "store", progress=False, layer_memory_warning=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(tmp_path / "src", tmp_path / "plain", progress=False, layer_memory_warning=1000)
+    with pytest.warns(UserWarning, match="GB, and quantizing it holds it in memory"):
+        convert(tmp_path / "src", tmp_path / "store", progress=False, layer_memory_warning=1000, compression="4bit")
 
 
 def test_profiling_mode_reports_each_part(tmp_path, capsys):
@@ -277,3 +282,69 @@ def test_maps_from_a_real_index(tmp_path):
     assert any(len(s) > 1 for s in plan.part_shards.values()), "some layer spans two shards"
     assert {(n, shard) for shard, names in plan.shard_tensors.items() for n in names} == \
         {(n, shard) for n, shard in index.items() if n != "lm_head.weight"}
+
+
+def test_nothing_is_deleted_or_committed_before_it_is_durable(tmp_path, monkeypatch):
+    """Issue 12 item 14: part files and progress records skip their own fsync, so the batched pass
+    must cover them: when a source shard is deleted, every tensor taken from it is in a manifest
+    that was fsynced, in a file that was fsynced, in a folder that was fsynced; likewise at commit."""
+    save_checkpoint("llama", tmp_path / "src")
+    weight_map = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
+    store = tmp_path / "store"
+    synced: set[Path] = set()
+    durable_manifest: dict = {}
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        real_fsync(fd)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.add(path)
+        if path.name.startswith((".tmp-manifest.json", "manifest.json")):
+            durable_manifest.clear()
+            durable_manifest.update(json.loads(path.read_bytes()))
+
+    def check_durable(names: list[str]) -> None:
+        for name in names:
+            record = durable_manifest["tensors"].get(name)
+            assert record, f"{name} is not in a manifest that was fsynced"
+            assert store / record["file"] in synced, f"{record['file']} was never fsynced"
+            assert (store / record["file"]).parent in synced, f"the folder of {record['file']} was never fsynced"
+
+    from shardstream.sources.local import LocalSource
+
+    real_release = LocalSource.release
+    deleted = []
+
+    def checked_release(self, name: str, delete: bool) -> None:
+        if delete:
+            check_durable([t for t, shard in weight_map.items() if shard == name])
+            deleted.append(name)
+        real_release(self, name, delete)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(LocalSource, "release", checked_release)
+    convert(tmp_path / "src", store, sequential_shard_processing=True, progress=False)
+    assert len(deleted) == len(set(weight_map.values())) > 1
+    assert durable_manifest["complete"]
+    check_durable(list(weight_map))
+
+
+def test_shard_cut_after_its_check_fails_with_one_sentence(tmp_path):
+    """Tensors are streamed from the shard while writing, after the up-front header check: a shard
+    cut in between must still fail naming the shard and the tensor, in one sentence."""
+    import xxhash
+    from safetensors.torch import load, save_file
+
+    from shardstream.convert import _spans
+    from shardstream.safetensors_header import read_header
+    from shardstream.store.partfile import encode_part
+
+    shard = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(64, 64), "b": torch.arange(8.0)}, shard)
+    spans = {s.name: s for s in _spans(shard, read_header(shard), ["a", "b"])}
+    streamed = load(b"".join(bytes(piece) for piece in encode_part(spans, None).stream(xxhash.xxh3_128())))
+    assert torch.equal(streamed["a"], torch.ones(64, 64)) and torch.equal(streamed["b"], torch.arange(8.0))
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size - 100)
+    with pytest.raises(CorruptShard, match=r"model\.safetensors ended early inside 'a'; download it again\."):
+        list(encode_part(spans, None).stream(xxhash.xxh3_128()))

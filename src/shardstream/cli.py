@@ -56,7 +56,7 @@ def convert(
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
     min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
-    layer_memory_warning: Annotated[Optional[str], typer.Option(help="Warn when one buffered layer exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
+    layer_memory_warning: Annotated[Optional[str], typer.Option(help="With --compression, warn when a layer to quantize (held in memory to do so) exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
     token: Annotated[Optional[str], typer.Option(help="Hub token.", envvar="HF_TOKEN")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,

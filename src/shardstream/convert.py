@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 from tqdm.auto import tqdm
 
 from .convert_disk import check_disk
@@ -32,6 +31,7 @@ from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME, Manifest, StoreWriter, load_manifest
 from .atomic import TEMP_PREFIX, write_json_atomic
 from .store.dtypes import TORCH_DTYPES
+from .store.span import FileSpan, SourceFile
 
 log = logging.getLogger("shardstream.convert")
 
@@ -240,7 +240,7 @@ class _Job:
         self.min_free_space = min_free_space
         self.layer_warning = layer_warning
         self.progress = progress
-        self.buffer: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        self.buffer: dict[str, dict[str, FileSpan]] = defaultdict(dict)
         self.stored = writer.stored_tensors()            # durably written or handed to the writer
         self.completed = set(writer.manifest.parts)      # likewise, for whole parts
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
@@ -299,10 +299,9 @@ class _Job:
             ) from None
         wanted = self._wanted(shard)
         touched: list[str] = []
-        for name, tensor, seconds in _read_tensors(path, header, wanted):
-            part = self.plan.part_of[name]
-            self.buffer[part][name] = tensor
-            self.profile[part].read_seconds += seconds
+        for span in _spans(path, header, wanted):
+            part = self.plan.part_of[span.name]
+            self.buffer[part][span.name] = span
             if part not in touched:
                 touched.append(part)
                 self.profile[part].wait_seconds += wait
@@ -325,12 +324,15 @@ class _Job:
         self.writes.submit(part, tensors, piece, complete)
 
     def _warn_if_large(self, part: str) -> None:
-        size = sum(t.numel() * t.element_size() for t in self.buffer[part].values())
+        """Parts are copied from their shards through a small buffer; only quantizing one holds it in memory."""
+        if self.writer.manifest.compression is None:
+            return
+        size = sum(t.nbytes for t in self.buffer[part].values())
         if size > self.layer_warning and part not in self.warned_parts:
             self.warned_parts.add(part)
             warnings.warn(
-                f"part {part} holds {size / 1e9:.2f} GB in memory while it waits for its other "
-                f"shards (warning threshold {self.layer_warning / 1e9:.2f} GB).",
+                f"part {part} is {size / 1e9:.2f} GB, and quantizing it holds it in memory "
+                f"(warning threshold {self.layer_warning / 1e9:.2f} GB).",
                 stacklevel=2,
             )
 
@@ -351,19 +353,13 @@ class _Job:
             )
 
 
-def _read_tensors(path: Path, header: Header, names: list[str]):
-    """Read the named tensors one by one into their own memory (no mmap lingers on the file)."""
+def _spans(path: Path, header: Header, names: list[str]) -> list[FileSpan]:
+    """The named tensors as spans of the shard, in file order: nothing is read here, the writer
+    threads stream each part's bytes straight from the shard (checked complete by its header)."""
+    source = SourceFile(path)
     entries = sorted((header.tensors[n] for n in names), key=lambda e: e.begin)
-    with open(path, "rb", buffering=0) as handle:
-        for entry in entries:
-            started = time.perf_counter()
-            dtype = TORCH_DTYPES[entry.dtype]
-            raw = torch.empty(entry.nbytes, dtype=torch.uint8)   # uninitialised: no zero-fill
-            handle.seek(header.data_start + entry.begin)
-            if entry.nbytes and handle.readinto(raw.numpy()) != entry.nbytes:
-                raise CorruptShard(f"shard {path.name} ended early inside {entry.name!r}; download it again.")
-            tensor = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
-            yield entry.name, tensor, time.perf_counter() - started
+    return [FileSpan(source, e.name, header.data_start + e.begin, e.nbytes, TORCH_DTYPES[e.dtype], tuple(e.shape))
+            for e in entries]
 
 
 def profile_table(report: ConvertReport) -> str:

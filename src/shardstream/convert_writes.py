@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .store import StoreWriter
+from .store.span import FileSpan
 
 log = logging.getLogger("shardstream.convert")
 
@@ -62,7 +63,7 @@ class WritePipeline:
                 for release in self.releases:
                     release.result()
 
-    def submit(self, part: str, tensors: dict[str, torch.Tensor], piece: int | None, complete: bool) -> None:
+    def submit(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], piece: int | None, complete: bool) -> None:
         if complete:
             for earlier in self.piece_writes.pop(part, []):
                 earlier.result()   # the part's pieces are recorded before the write that completes it
@@ -98,12 +99,13 @@ class WritePipeline:
         release(shard)
         log.info("released shard %s", shard)
 
-    def _write(self, part: str, tensors: dict[str, torch.Tensor], piece: int | None, complete: bool) -> None:
+    def _write(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], piece: int | None, complete: bool) -> None:
         """Runs on a writer thread; StoreWriter serialises the manifest updates."""
         experts = {n: self.expert_of[n] for n in tensors if n in self.expert_of}
         timings = self.writer.write(part, tensors, experts, piece, complete)
         with self.stats_lock:
             profile = self.profile[part]
+            profile.read_seconds += timings.read_seconds
             profile.quantize_seconds += timings.quantize_seconds
             profile.write_seconds += timings.write_seconds
             profile.bytes_written += timings.nbytes

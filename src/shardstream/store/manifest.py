@@ -66,8 +66,9 @@ class Manifest:
     def to_dict(self) -> dict:
         return sealed(asdict(self))
 
-    def save(self, root: Path) -> None:
-        write_json_atomic(Path(root) / MANIFEST_NAME, self.to_dict())
+    def save(self, root: Path, durable: bool = True) -> None:
+        """Atomically; `durable=False` (no fsync) for progress records that a later durable save covers."""
+        write_json_atomic(Path(root) / MANIFEST_NAME, self.to_dict(), durable)
 
     def ordered_parts(self) -> list[str]:
         """Written parts in model order (start, mid/0, ..., end)."""

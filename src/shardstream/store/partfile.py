@@ -9,45 +9,67 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from .. import quant
 from .dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from .manifest import TensorRecord
+from .span import FileSpan
 
 ABSMAX_SUFFIX = "::absmax"
+STREAM_BYTES = 1 << 20   # spans are copied through this much memory: stays in cache, no page faults
 
 
 @dataclass
 class EncodedPart:
-    """A safetensors file as a list of buffers (header, then each tensor's own memory): writing it
-    needs no second copy of the part in memory."""
+    """A safetensors file as a list of pieces (header, then each tensor's own memory, or its span
+    in a source file): writing it needs no second copy of the part in memory."""
 
-    chunks: list[memoryview]
+    chunks: list[memoryview | FileSpan]
     records: dict[str, dict]   # tensor name -> TensorRecord fields except part/file/expert
     quantize_seconds: float
+    read_seconds: float = 0.0   # spent reading source spans while streaming
 
     @property
     def size(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
-    def checksum(self) -> str:
-        hasher = xxhash.xxh3_128()
+    def stream(self, hasher) -> Iterator[memoryview]:
+        """The file's bytes in order, each fed to `hasher` on the way: one pass checksums and writes.
+        Spans go through one reused buffer; a yielded view is only valid until the next one."""
+        buffer = None
         for chunk in self.chunks:
-            hasher.update(chunk)
-        return hasher.hexdigest()
+            if not isinstance(chunk, FileSpan):
+                hasher.update(chunk)
+                yield chunk
+                continue
+            if buffer is None:
+                buffer = memoryview(bytearray(STREAM_BYTES))
+            for start in range(0, chunk.nbytes, STREAM_BYTES):
+                started = time.perf_counter()
+                piece = chunk.read_into(buffer, start)
+                self.read_seconds += time.perf_counter() - started
+                hasher.update(piece)
+                yield piece
 
 
-def encode_part(tensors: dict[str, torch.Tensor], compression: str | None) -> EncodedPart:
-    """Lay out tensors (optionally quantized) as a safetensors file and say where each one lands."""
-    payload: dict[str, torch.Tensor] = {}
+def encode_part(tensors: dict[str, torch.Tensor | FileSpan], compression: str | None) -> EncodedPart:
+    """Lay out tensors (optionally quantized) as a safetensors file and say where each one lands.
+    Spans stay in their source file unless they are to be quantized."""
+    payload: dict[str, torch.Tensor | FileSpan] = {}
     quant_meta: dict[str, dict] = {}
     quantize_seconds = 0.0
     for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
+        tensor = tensors[name]
+        if isinstance(tensor, FileSpan):
+            if not compression:
+                payload[name] = tensor
+                continue
+            tensor = tensor.load()
+        tensor = tensor.detach().to("cpu").contiguous()
         if compression and quant.should_quantize(name, tensor, compression):
             started = time.perf_counter()
             packed = quant.quantize(tensor, compression)
@@ -74,15 +96,15 @@ def encode_stored(stored: dict[str, tuple[bytearray | memoryview, dict]]) -> Enc
     return _lay_out(payload, quant_meta, list(stored), 0.0)
 
 
-def _lay_out(payload: dict[str, torch.Tensor], quant_meta: dict[str, dict], names: list[str],
+def _lay_out(payload: dict[str, torch.Tensor | FileSpan], quant_meta: dict[str, dict], names: list[str],
              quantize_seconds: float) -> EncodedPart:
     """The safetensors header and chunks for `payload` (codes plus `::absmax` scales for quantized names)."""
     # widest dtypes first (as safetensors does), so every tensor starts aligned to its element size
-    order = sorted(payload, key=lambda k: (-payload[k].element_size(), k))
+    order = sorted(payload, key=lambda k: (-payload[k].dtype.itemsize, k))
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     begin = 0
     for key in order:
-        end = begin + payload[key].numel() * payload[key].element_size()
+        end = begin + payload[key].nbytes
         header[key] = {"dtype": SAFETENSORS_DTYPES[payload[key].dtype],
                        "shape": list(payload[key].shape), "data_offsets": [begin, end]}
         begin = end
@@ -105,8 +127,10 @@ def _lay_out(payload: dict[str, torch.Tensor], quant_meta: dict[str, dict], name
     return EncodedPart(chunks, records, quantize_seconds)
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's own memory as bytes, without a copy."""
+def _raw_bytes(tensor: torch.Tensor | FileSpan) -> memoryview | FileSpan:
+    """The tensor's own memory as bytes, without a copy (a span stays a span)."""
+    if isinstance(tensor, FileSpan):
+        return tensor
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 

@@ -1,11 +1,12 @@
 """Writing a store part by part, so that an interrupted run resumes where it stopped.
 
 A part is written as one file, or, when its tensors come from several source shards that are
-deleted as they go, as one file per shard ("pieces"). A file is renamed into place and recorded
-in the manifest with the checksum of what was meant to be written, but not fsynced on its own:
-durability is batched (`sync`, one fsync pass) before anything depends on it (a source shard's
-deletion, the final `complete` commit). A file torn by a crash before then fails its checksum
-when the run is resumed and is written again. Re-running keeps every file that still passes.
+deleted as they go, as one file per shard ("pieces"). A file is streamed to a temp file (its
+checksum computed on the way, the disk told to start writing at once), renamed into place and
+recorded in the manifest, but neither is fsynced on its own: durability is batched (`sync`, one
+fsync pass, then the manifest) before anything depends on it (a source shard's deletion, the final
+`complete` commit). A file torn by a crash before then fails its checksum when the run is resumed
+and is written again. Re-running keeps every file that still passes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from ..errors import InvalidOption
-from ..atomic import discard_temp_files, fsync_paths, write_chunks_atomic
+from ..atomic import discard_temp_files, fsync_paths, write_chunks_atomic, write_json_atomic
 from .checksum import checksum_file
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from .partfile import EncodedPart, encode_part
+from .span import FileSpan
 
 PART_FILE = "weights.safetensors"
 
@@ -29,8 +32,9 @@ PART_FILE = "weights.safetensors"
 def write_encoded(path: Path, encoded: EncodedPart) -> str:
     """Write durably at once, read back, and return the checksum the file was verified against
     (for `shardstream shard`, which edits a finished store in place)."""
-    digest = encoded.checksum()
-    write_chunks_atomic(path, encoded.chunks)
+    hasher = xxhash.xxh3_128()
+    write_chunks_atomic(path, encoded.stream(hasher))
+    digest = hasher.hexdigest()
     if checksum_file(path) != digest:
         raise OSError(f"{path} reads back different from what was written; check the disk and re-run.")
     return digest
@@ -43,6 +47,7 @@ def part_file(part: str, piece: int | None = None) -> str:
 
 @dataclass
 class WriteTimings:
+    read_seconds: float   # reading source spans (streamed while writing)
     quantize_seconds: float
     write_seconds: float
     nbytes: int
@@ -95,15 +100,17 @@ class StoreWriter:
         """Tensors already durably written (in complete parts or in pieces of incomplete ones)."""
         return set(self.manifest.tensors)
 
-    def write(self, part: str, tensors: dict[str, torch.Tensor], experts: dict[str, int],
+    def write(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], experts: dict[str, int],
               piece: int | None, complete: bool) -> WriteTimings:
-        """Encode, write atomically (fsync deferred to `sync`), record; mark the part complete when told."""
+        """Encode, write atomically (checksummed on the way; fsync deferred to `sync`), record;
+        mark the part complete when told."""
         started = time.perf_counter()
         encoded = encode_part(tensors, self.manifest.compression)
         name = part_file(part, piece)
         path = self.root / name
-        digest = encoded.checksum()
-        write_chunks_atomic(path, encoded.chunks, durable=False)
+        hasher = xxhash.xxh3_128()
+        write_chunks_atomic(path, encoded.stream(hasher), durable=False)
+        digest = hasher.hexdigest()
         with self._manifest_lock:
             self._unsynced.update((path, path.parent))
             self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
@@ -113,9 +120,10 @@ class StoreWriter:
                 )
             if complete:
                 self._mark_complete(part)
-            self.manifest.save(self.root)
+            self.manifest.save(self.root, durable=False)   # made durable by `sync`, with the file
         elapsed = time.perf_counter() - started
-        return WriteTimings(encoded.quantize_seconds, elapsed - encoded.quantize_seconds, encoded.size)
+        return WriteTimings(encoded.read_seconds, encoded.quantize_seconds,
+                            elapsed - encoded.quantize_seconds - encoded.read_seconds, encoded.size)
 
     def _mark_complete(self, part: str) -> None:
         names = sorted(n for n, r in self.manifest.tensors.items() if r.part == part)
@@ -128,11 +136,19 @@ class StoreWriter:
         self.manifest.aliases[name] = {"target": target, "part": part}
 
     def sync(self) -> None:
-        """Make every file written so far durable, in one fsync pass (data first, then folders)."""
+        """Make every file written so far durable, in one fsync pass (data first, then folders),
+        then the manifest that records them. Its fsync is deferred to here because under ext4's
+        ordered mode it waits for all data in flight: once per part it would stall the writers."""
         with self._manifest_lock:
             paths, self._unsynced = self._unsynced, set()
         fsync_paths(sorted(p for p in paths if p.is_file()))
         fsync_paths(sorted(p for p in paths if p.is_dir()))
+        with self._manifest_lock:
+            body = self.manifest.to_dict()
+        # outside the lock, so writers record on meanwhile; should one of their (newer) saves land
+        # first, this one hides its records until the next save: a resume would rewrite those
+        # files, whose shards are still there (a shard goes only after a `sync` that saw them)
+        write_json_atomic(self.root / MANIFEST_NAME, body)
 
     def _sync_recorded(self) -> None:
         """`sync`, over every file the manifest records (also those an earlier run wrote)."""
