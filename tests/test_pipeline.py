@@ -454,6 +454,8 @@ def test_four_requests_in_flight_through_two_stages_equal_transformers(tiny, key
     sequences = [engine.submit(tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=12)) for p in PROMPTS]
     assert [_collect(s) for s in sequences] == [_greedy_ids(reference, tokenizer, p, 12) for p in PROMPTS]
     assert engine.peak_active == 4 and set(engine.busy_seconds) == {"a", "b"}
+    batched = [pipeline.coordinator.agents[name].get("/v1/health")["batched_steps"] for name in ("a", "b")]
+    assert sum(batched) > 0, "no two sessions' steps ever shared a pass"
 
 
 def test_the_coordinator_api_wants_its_api_key_and_answers_as_serve_does(tiny, keyed):

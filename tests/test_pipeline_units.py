@@ -83,6 +83,38 @@ def test_a_stage_refuses_a_position_its_cache_does_not_hold(stores):
         stage.forward("s", 3, torch.tensor([[4]]))
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_batched_step_of_sessions_of_different_lengths_equals_their_steps_one_by_one(stores, family):
+    """Three sessions (3, 6 and 9 tokens held) take one token each in one pass through two stages:
+    the same hidden states and logits as one at a time, and the caches split back give the same
+    next steps. gemma scales its embeddings, which the second stage's injected hidden states skip;
+    the batched first stage streams its blocks from disk."""
+    store, _ = stores[family]
+    n = store.num_layers
+    batched = [StageModel(store, 0, 2, stream_budget=0), StageModel(store, 2, n)]
+    alone = [StageModel(store, 0, 2), StageModel(store, 2, n)]
+    prompts = {"a": [1, 5, 9], "b": [3, 4, 5, 6, 7, 8], "c": [9, 8, 7, 6, 5, 4, 3, 2, 1]}
+    for stages in (batched, alone):
+        for session, prompt in prompts.items():
+            stages[1].forward(session, 0, stages[0].forward(session, 0, torch.tensor([prompt])))
+    steps = [(session, len(prompt), torch.tensor([[40 + k]])) for k, (session, prompt) in enumerate(prompts.items())]
+    hidden = batched[0].forward_batch(steps)
+    logits = batched[1].forward_batch([(s, p, h) for (s, p, _), h in zip(steps, hidden)])
+    for (session, position, ids), h, out in zip(steps, hidden, logits):
+        one = alone[0].forward(session, position, ids)
+        torch.testing.assert_close(h, one, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, alone[1].forward(session, position, one), rtol=1e-5, atol=1e-6)
+    for (session, position, _), out in zip(steps, logits):
+        for later in range(position + 1, position + 3):
+            token = torch.tensor([[later % 100]])
+            got = batched[1].forward(session, later, batched[0].forward(session, later, token))
+            torch.testing.assert_close(got, alone[1].forward(session, later, alone[0].forward(session, later, token)),
+                                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one new token of each of distinct, started sessions"):
+        batched[0].forward_batch([("a", 6, torch.tensor([[1]])), ("a", 6, torch.tensor([[2]]))])
+    batched[0].close()
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_tensors_cross_the_wire_bit_exact(dtype):
     tensor = (torch.randn(1, 3, 5) * 100).to(dtype)

@@ -2,9 +2,10 @@
 
 Control (bearer token on every endpoint): health, capabilities, profiles (compute, disk reads),
 pings, loading and unloading a stage; health also counts the expert files an on-demand MoE stage
-has read and the blocks a streamed stage reads from disk. Data: one thread receives activations,
-runs the loaded stage and pushes the result on. A stage is loaded `metadata_only` (downloaded,
-verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan
+has read, the blocks a streamed stage reads from disk and the steps run batched. Data: one thread
+receives activations, runs the loaded stage and pushes the result on; single-token steps of
+several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
+(downloaded, verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan
 gave this agent more blocks than its memory holds.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from . import measure
 from .download import fetch_stage, remove_stage
 from .package import STAGE_MANIFEST
 from .stage import StageModel
-from .transport import Inbox, Outbox, serve_stage
+from .transport import Answer, Inbox, Outbox, serve_stage
 
 
 class LoadRequest(BaseModel):
@@ -79,6 +81,7 @@ class Agent:
     def __init__(self, name: str, token: str, cache: Path, data_port: int, max_memory: int | None = None):
         self.name, self.token, self.cache, self.max_memory = name, token, Path(cache), max_memory
         self.loaded: Loaded | None = None
+        self.batched_steps = 0   # steps that shared a pass with other sessions' (health reports it)
         self._lock = threading.Lock()
         self._context = zmq.Context()
         self._inbox = Inbox(self._context, f"tcp://*:{data_port}")
@@ -95,16 +98,64 @@ class Agent:
             outbox.close()
             self._inbox.close()
 
-    def compute(self, header: dict, tensor: torch.Tensor) -> torch.Tensor | None:
+    def compute(self, messages: list[tuple[dict, torch.Tensor]]) -> Iterator[tuple[dict, Answer, float]]:
+        """Each message's header, output (or failure) and compute seconds, in arrival order per
+        session: a run of single-token steps of distinct sessions goes through the stage as one
+        pass, its seconds split evenly among them; prompts and ends go one at a time."""
+        group: list[tuple[dict, torch.Tensor]] = []
+        for header, tensor in messages:
+            position = header.get("position")
+            single = header.get("kind") == "forward" and isinstance(position, int) and position > 0 \
+                and tensor.dim() >= 2 and tensor.shape[1] == 1
+            if not single or any(h.get("session") == header.get("session") for h, _ in group):
+                yield from self._batch(group)
+                group = []
+            if single:
+                group.append((header, tensor))
+            else:
+                yield self._one(header, tensor)
+        yield from self._batch(group)
+
+    def _batch(self, group: list[tuple[dict, torch.Tensor]]) -> Iterator[tuple[dict, Answer, float]]:
+        """One pass for the group when the stage can batch it, else (or when it refuses) one at a time."""
+        if len(group) > 1:
+            started = time.perf_counter()
+            try:
+                model = self._model(group)
+                outputs = model.forward_batch([(h["session"], h["position"], t) for h, t in group]) if model.batches \
+                    else None
+            except Exception:   # e.g. a stale step or an old epoch; nothing changed: each gets its own answer below
+                outputs = None
+            if outputs is not None:
+                self.batched_steps += len(group)
+                seconds = (time.perf_counter() - started) / len(group)
+                yield from ((header, output, seconds) for (header, _), output in zip(group, outputs))
+                return
+        for header, tensor in group:
+            yield self._one(header, tensor)
+
+    def _one(self, header: dict, tensor: torch.Tensor) -> tuple[dict, Answer, float]:
+        started = time.perf_counter()
+        try:
+            model = self._model([(header, tensor)])
+            if header["kind"] == "end":
+                model.end(header["session"])
+                return header, None, 0.0
+            output = model.forward(header["session"], header["position"], tensor)
+        except Exception as error:  # answered to the coordinator as an error
+            return header, error, 0.0
+        return header, output, time.perf_counter() - started
+
+    def _model(self, messages: list[tuple[dict, torch.Tensor]]) -> StageModel:
+        """The materialized stage, if every message is on its plan epoch."""
         loaded = self.loaded
         if loaded is None or loaded.model is None:
             raise InvalidOption("it has no materialized stage; load one with metadata_only false")
-        if header["epoch"] != loaded.epoch:
-            raise InvalidOption(f"it runs plan epoch {loaded.epoch}, not {header['epoch']}; re-send on the current plan")
-        if header["kind"] == "end":
-            loaded.model.end(header["session"])
-            return None
-        return loaded.model.forward(header["session"], header["position"], tensor)
+        for header, _ in messages:
+            if header["epoch"] != loaded.epoch:
+                raise InvalidOption(f"it runs plan epoch {loaded.epoch}, not {header['epoch']}; "
+                                    "re-send on the current plan")
+        return loaded.model
 
     def load(self, request: LoadRequest, headers: dict[str, str]) -> dict:
         with httpx.Client(headers=headers, timeout=60.0) as client:
@@ -173,7 +224,8 @@ def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
         experts = loaded.model.experts if loaded and loaded.model else None
         return {"name": agent.name, "ok": True, "stage_id": loaded.stage_id if loaded else None,
                 "epoch": loaded.epoch if loaded else None, "expert_loads": experts.loads if experts else None,
-                "streamed_blocks": loaded.model.streamed_blocks if loaded and loaded.model else None}
+                "streamed_blocks": loaded.model.streamed_blocks if loaded and loaded.model else None,
+                "batched_steps": agent.batched_steps}
 
     @app.get("/v1/capabilities")
     def capabilities() -> dict:

@@ -11,6 +11,9 @@ When the stage's experts are placed on tiers, its blocks load without them and t
 runtime's `OnDemandExperts` reads only the experts the router picks (from the stage's own tiers).
 With a `stream_budget` (the plan gave this device more blocks than its memory holds) the blocks are
 streamed from the stage's files instead (see streamed.py): the same forward, hooks and caches.
+Single-token steps of several sessions can run as one pass (`forward_batch`): each weight read
+then serves every session waiting at the stage. Their caches are left-padded into one batch cache,
+masked where padded, and split back after the pass; each row keeps its own positions.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import threading
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import InvalidOption, UnsupportedModel
 from ..store.sharding import load_index
@@ -79,6 +84,9 @@ class StageModel:
         self._blocks[0].register_forward_pre_hook(self._inject, with_kwargs=True)
         if not self.is_last:
             self._blocks[-1].register_forward_hook(self._stop)
+        # padding plain caches is exact; sliding-window layers and on-demand experts run one session at a time
+        layers = DynamicCache(config=self.model.config).layers
+        self.batches = self.experts is None and all(type(layer) is DynamicLayer for layer in layers)
 
     def _renamed(self, index: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Block `index`'s parameters from the full model's names to the stage's."""
@@ -147,26 +155,59 @@ class StageModel:
         """Ids [1, s] (first stage) or hidden states [1, s, h] at `position` -> hidden [1, s, h] or
         logits [1, vocab] of the last position (last stage)."""
         with self._lock, torch.no_grad():
-            if self._closed:
-                raise InvalidOption(f"blocks {self.first}-{self.last - 1} were unloaded; re-send on the current plan.")
-            cache = self._cache(session, position)
-            kwargs = dict(past_key_values=cache, use_cache=True)
-            if self.is_first:
-                kwargs["input_ids"] = data
-            else:
-                self._incoming = data = data.to(self.model.dtype)
-                kwargs["inputs_embeds"] = data
-            try:
-                if self.is_last:
-                    return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
-                self.model.get_submodule(self.model.base_model_prefix)(**kwargs)
-            except _Stop as stop:
-                return stop.hidden
-            finally:
-                self._incoming = None
-                if self.streaming:
-                    self.streaming.release()
-            raise AssertionError("a stage without the head must stop after its last block")
+            self._check_open()
+            return self._run(data, past_key_values=self._cache(session, position))
+
+    def forward_batch(self, steps: list[tuple[str, int, torch.Tensor]]) -> list[torch.Tensor]:
+        """`forward` for one new token of each of several sessions (distinct, each past its prompt),
+        in one pass; the outputs in the order of `steps`. Nothing changes when it raises."""
+        if not self.batches:
+            raise InvalidOption(f"blocks {self.first}-{self.last - 1} run one session at a time")
+        if len({session for session, _, _ in steps}) != len(steps) or any(
+                position < 1 or data.shape[1] != 1 for _, position, data in steps):
+            raise InvalidOption("a batched step takes one new token of each of distinct, started sessions")
+        with self._lock, torch.no_grad():
+            self._check_open()
+            caches = [self._cache(session, position) for session, position, _ in steps]
+            lengths = [position for _, position, _ in steps]
+            longest = max(lengths)
+            batch = DynamicCache(config=self.model.config)
+            for index in range(len(batch.layers)):
+                batch.update(*(torch.cat([F.pad(getattr(cache.layers[index], part), (0, 0, longest - length, 0))
+                                          for cache, length in zip(caches, lengths)])
+                               for part in ("keys", "values")), index)
+            mask = torch.tensor([[0] * (longest - length) + [1] * (length + 1) for length in lengths])
+            output = self._run(torch.cat([data for _, _, data in steps]), past_key_values=batch, attention_mask=mask,
+                               position_ids=torch.tensor(lengths).unsqueeze(1))
+            for row, (cache, length) in enumerate(zip(caches, lengths)):
+                for mine, theirs in zip(cache.layers, batch.layers):
+                    mine.keys = theirs.keys[row:row + 1, :, longest - length:]
+                    mine.values = theirs.values[row:row + 1, :, longest - length:]
+            return list(output.split(1))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidOption(f"blocks {self.first}-{self.last - 1} were unloaded; re-send on the current plan.")
+
+    def _run(self, data: torch.Tensor, **kwargs) -> torch.Tensor:
+        """One pass of the stage over ids or hidden states `data` with the given cache (and mask)."""
+        kwargs["use_cache"] = True
+        if self.is_first:
+            kwargs["input_ids"] = data
+        else:
+            self._incoming = data = data.to(self.model.dtype)
+            kwargs["inputs_embeds"] = data
+        try:
+            if self.is_last:
+                return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+            self.model.get_submodule(self.model.base_model_prefix)(**kwargs)
+        except _Stop as stop:
+            return stop.hidden
+        finally:
+            self._incoming = None
+            if self.streaming:
+                self.streaming.release()
+        raise AssertionError("a stage without the head must stop after its last block")
 
     def _cache(self, session: str, position: int) -> DynamicCache:
         """This session's cache, which must hold exactly `position` tokens (position 0 starts anew)."""

@@ -9,13 +9,13 @@ logits (or an error) back to the coordinator.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import zmq
 
 SEND_TIMEOUT_MS = 2000
+Answer = torch.Tensor | Exception | None   # a message's output, its failure, or nothing to send
 
 
 def pack(header: dict, tensor: torch.Tensor) -> list[bytes]:
@@ -81,34 +81,50 @@ class Inbox:
         self.socket.close(0)
 
 
-def serve_stage(inbox: Inbox, outbox: Outbox, compute: Callable[[dict, torch.Tensor], torch.Tensor | None],
+def serve_stage(inbox: Inbox, outbox: Outbox,
+                compute: Callable[[list[tuple[dict, torch.Tensor]]], Iterator[tuple[dict, Answer, float]]],
                 running: Callable[[], bool], name: str) -> None:
-    """A stage's loop: receive, compute, push on along the route (or back to the coordinator).
+    """A stage's loop: receive what is waiting, compute, push each output on along its route (or
+    back to the coordinator).
 
-    `compute` returns None for messages that need no answer (ending a session). Any failure goes
-    back to the coordinator as an error message naming this agent, so it need not wait to find out.
+    `compute` gets every message waiting (one received, then the rest without waiting, so that it
+    can batch them) and yields each one's header, its output (None for messages that need no
+    answer, such as ending a session; the exception when it failed) and its compute seconds. A
+    failure goes back to the coordinator as an error message naming this agent, so it need not
+    wait to find out.
     """
     while running():
+        waiting = []
+        while (received := _receive(inbox, 0.0 if waiting else 0.2)) is not None:
+            waiting.append(received)
+        if not waiting:
+            continue
+        for header, output, seconds in compute(waiting):
+            _answer(outbox, header, output, seconds, name)
+
+
+def _receive(inbox: Inbox, timeout: float) -> tuple[dict, torch.Tensor] | None:
+    while True:
         try:
-            received = inbox.receive(0.2)
+            return inbox.receive(timeout)
         except ValueError:
             continue  # a malformed message has no header to answer to
-        if received is None:
-            continue
-        header, tensor = received
+
+
+def _answer(outbox: Outbox, header: dict, output: Answer, seconds: float, name: str) -> None:
+    try:
+        if isinstance(output, Exception):
+            raise output
+        if output is None:
+            return
+        timings = [*header.get("timings", []), [name, seconds]]
+        route = header["route"]
+        target, rest = (route[0], route[1:]) if route else (header["reply"], [])
+        kind = header["kind"] if route else "result"
+        outbox.send(target, {**header, "route": rest, "kind": kind, "timings": timings}, output)
+    except Exception as error:  # reported to the coordinator, which decides what to do
+        message = f"agent {name}: {error}"
         try:
-            started = time.perf_counter()
-            output = compute(header, tensor)
-            if output is None:
-                continue
-            timings = [*header.get("timings", []), [name, time.perf_counter() - started]]
-            route = header["route"]
-            target, rest = (route[0], route[1:]) if route else (header["reply"], [])
-            kind = header["kind"] if route else "result"
-            outbox.send(target, {**header, "route": rest, "kind": kind, "timings": timings}, output)
-        except Exception as error:  # reported to the coordinator, which decides what to do
-            message = f"agent {name}: {error}"
-            try:
-                outbox.send(header["reply"], {**header, "kind": "error", "message": message}, torch.empty(0))
-            except zmq.ZMQError:
-                pass  # the coordinator is gone too; nobody to tell
+            outbox.send(header["reply"], {**header, "kind": "error", "message": message}, torch.empty(0))
+        except zmq.ZMQError:
+            pass  # the coordinator is gone too; nobody to tell
