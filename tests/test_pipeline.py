@@ -477,6 +477,11 @@ def test_the_coordinator_api_wants_its_api_key_and_answers_as_serve_does(tiny, k
         logprobs = torch.log_softmax(reference(full).logits[0].float(), -1)
     want = [logprobs[i - 1, full[0, i]].item() for i in range(ids.shape[1], full.shape[1])]
     assert scored.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                       echo=True).choices[0]   # the prompt's scores too, as `serve` gives them
+    assert echoed.text.startswith(PROMPT) and echoed.logprobs.token_logprobs[0] is None
+    everything = [logprobs[i - 1, full[0, i]].item() for i in range(1, full.shape[1])]
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx(everything, abs=1e-4)
 
     with pytest.raises(openai.AuthenticationError):   # with --api-key, the agents' token does not open the API
         openai.OpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0).models.list()
@@ -495,7 +500,6 @@ def test_the_coordinator_api_wants_its_api_key_and_answers_as_serve_does(tiny, k
         ({"temperature": 5}, 400, "temperature", "less than or equal to 2"),
         ({"model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
         ({"max_tokens": 100}, 400, "max_tokens", "set max_tokens to at most 48"),   # --context-length 64
-        ({"echo": True, "logprobs": 1}, 400, None, "echo with logprobs (prompt scores) is not supported"),
     ]:
         reply = httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
         error = reply.json()["error"]

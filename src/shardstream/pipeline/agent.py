@@ -141,7 +141,7 @@ class Agent:
             if header["kind"] == "end":
                 model.end(header["session"])
                 return header, None, 0.0
-            output = model.forward(header["session"], header["position"], tensor)
+            output = model.forward(header["session"], header["position"], tensor, bool(header.get("all_logits")))
         except Exception as error:  # answered to the coordinator as an error
             return header, error, 0.0
         return header, output, time.perf_counter() - started

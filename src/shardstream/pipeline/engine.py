@@ -24,7 +24,8 @@ import torch
 import zmq
 
 from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
-from ..stream.batching import NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token, open_sequence
+from ..stream.batching import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token,
+                               open_sequence, prompt_scores)
 from .coordinator import Coordinator
 from .stage import MAX_SESSIONS
 from .transport import Inbox, Outbox
@@ -95,15 +96,12 @@ class PipelineEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Thread-safe. Refuses what the planned context cannot hold (KV memory was budgeted for
-        --context-length tokens) and prompt scores, which the stages do not return."""
+        --context-length tokens)."""
         sequence = open_sequence(prompt_ids, params, self.vocabulary, "cpu", self._notify)
         if len(prompt_ids) + params.max_new_tokens > self.context_length:
             raise InvalidOption(f"the prompt ({len(prompt_ids)} tokens) plus {params.max_new_tokens} new tokens exceeds "
                                 f"the pipeline's --context-length of {self.context_length}; ask for fewer tokens or "
                                 "re-plan with more.")
-        if params.prompt_logprobs:
-            raise InvalidOption("the pipeline's last stage returns the logits of the last position only, so echo "
-                                "with logprobs (prompt scores) is not supported; leave out echo or logprobs.")
         with self._condition:
             if self._closed:
                 raise InvalidOption("the pipeline engine is closed; submit to an open one.")
@@ -194,7 +192,12 @@ class PipelineEngine:
         if sequence.cancel_reason:
             self._finish(active, TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
             return
-        token, logprob = choose_token(sequence, tensor[0])
+        logits = tensor[0]
+        if logits.dim() == 2:   # every position's (asked for the prompt's scores): the last one picks the token
+            top = sequence.params.logprobs or 0
+            sequence.prompt_logprobs = prompt_scores(torch.log_softmax(logits.float(), -1), sequence.prompt_ids, top)
+            logits = logits[-1]
+        token, logprob = choose_token(sequence, logits)
         sequence.generated.append(token)
         self.tokens_generated += 1
         finish = ("stop" if token in self.eos_token_ids
@@ -224,6 +227,9 @@ class PipelineEngine:
         tokens = active.tokens
         header = {"session": active.session, "step": len(tokens), "epoch": route.epoch, "position": active.cached,
                   "kind": "forward", "route": route.endpoints[1:], "reply": self._reply}
+        sequence = active.sequence
+        if sequence.params.prompt_logprobs and sequence.prompt_logprobs is None:
+            header["all_logits"] = True   # the last stage answers every position's logits: the prompt's scores
         active.epoch, active.sent_at = route.epoch, time.monotonic()
         try:
             self._outbox.send(route.endpoints[0], header, torch.tensor([tokens[active.cached:]]))

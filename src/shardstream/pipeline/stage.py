@@ -151,12 +151,13 @@ class StageModel:
 
     # -- inference ---------------------------------------------------------------------------
 
-    def forward(self, session: str, position: int, data: torch.Tensor) -> torch.Tensor:
+    def forward(self, session: str, position: int, data: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Ids [1, s] (first stage) or hidden states [1, s, h] at `position` -> hidden [1, s, h] or
-        logits [1, vocab] of the last position (last stage)."""
+        logits [1, vocab] of the last position (last stage; with `all_logits`, [1, s, vocab] of every
+        position, for a prompt's scores)."""
         with self._lock, torch.no_grad():
             self._check_open()
-            return self._run(data, past_key_values=self._cache(session, position))
+            return self._run(data, all_logits=all_logits, past_key_values=self._cache(session, position))
 
     def forward_batch(self, steps: list[tuple[str, int, torch.Tensor]]) -> list[torch.Tensor]:
         """`forward` for one new token of each of several sessions (distinct, each past its prompt),
@@ -189,7 +190,7 @@ class StageModel:
         if self._closed:
             raise InvalidOption(f"blocks {self.first}-{self.last - 1} were unloaded; re-send on the current plan.")
 
-    def _run(self, data: torch.Tensor, **kwargs) -> torch.Tensor:
+    def _run(self, data: torch.Tensor, all_logits: bool = False, **kwargs) -> torch.Tensor:
         """One pass of the stage over ids or hidden states `data` with the given cache (and mask)."""
         kwargs["use_cache"] = True
         if self.is_first:
@@ -199,7 +200,8 @@ class StageModel:
             kwargs["inputs_embeds"] = data
         try:
             if self.is_last:
-                return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+                logits = self.model(**kwargs, logits_to_keep=0 if all_logits else 1).logits
+                return logits if all_logits else logits[:, -1, :]
             self.model.get_submodule(self.model.base_model_prefix)(**kwargs)
         except _Stop as stop:
             return stop.hidden

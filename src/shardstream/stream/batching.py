@@ -129,6 +129,12 @@ def _logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, logprobs[token].item(), alternatives)
 
 
+def prompt_scores(logprobs: torch.Tensor, prompt_ids: list[int], top: int) -> list[TokenLogprob | None]:
+    """OpenAI's echo scores: None for the first prompt token, then each token's logprob under the
+    position before it (`logprobs` [len(prompt_ids), vocab], row i predicting token i + 1)."""
+    return [None] + [_logprob(logprobs[i - 1], prompt_ids[i], top) for i in range(1, len(prompt_ids))]
+
+
 def open_sequence(prompt_ids: list[int], params: SamplingParams, vocabulary: int, device,
                   notify: Callable[[], None]) -> Sequence:
     """A sequence with its own generator, after the checks every engine makes of a request."""
@@ -483,9 +489,8 @@ class BatchEngine:
         for row, sequence in enumerate(group.sequences):
             if sequence.params.prompt_logprobs:
                 first = width - sequence.prompt_tokens
-                sequence.prompt_logprobs = [None] + [
-                    _logprob(logprobs[row, first + i - 1], sequence.prompt_ids[i], sequence.params.logprobs or 0)
-                    for i in range(1, sequence.prompt_tokens)]
+                sequence.prompt_logprobs = prompt_scores(logprobs[row, first:], sequence.prompt_ids,
+                                                         sequence.params.logprobs or 0)
 
     def _decode_step(self) -> None:
         ids = torch.tensor([[s.generated[-1]] for s in self._running], device=self.device)
