@@ -180,7 +180,11 @@ def test_cgroup_headroom_reads_v1_and_v2_at_every_level(tmp_path):
     v1 = tmp_path / "v1"   # a cgroup namespace: the process's own cgroup is the mount's root; 2**63 means no limit
     _tree(v1, {"memory/memory.limit_in_bytes": "734003200", "memory/memory.usage_in_bytes": "134003200"})
     assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == [600_000_000]
+    _tree(v1, {"memory/memory.stat": "inactive_file 5\ntotal_inactive_file 100000000\ntotal_active_file 9\n"})
+    assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == [700_000_000]   # clean inactive cache is reclaimable
+    _tree(v2, {"pod/memory.stat": "active_file 50\ninactive_file 300\n"})
+    assert cgroup_headroom(tmp_path / "v2.cgroup", v2) == [4300]
     _tree(v1, {"memory/memory.limit_in_bytes": "9223372036854771712"})
     assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == []
     assert available_bytes(123, tmp_path / "v2.cgroup", v2) == 123
-    assert available_bytes(None, tmp_path / "v2.cgroup", v2) == 4000
+    assert available_bytes(None, tmp_path / "v2.cgroup", v2) == 4300
