@@ -361,7 +361,7 @@ def speculative(args, cap: str) -> str:
     draft = convert_once(ROOT / "assets" / "demo-draft", work / "demo-draft-store")
     ceiling = convert_once(ROOT / "assets" / "demo-model", work / "demo-store")
     fixed = [int(k) for k in args.draft_tokens.split(",") if k]
-    settings = [("plain", [])] + [(f"shipped draft, {f'{k} tokens' if k else 'adaptive'}", ["--draft", str(draft)] +
+    settings = [("plain", [])] + [(f"shipped draft, {f'{k} tokens' if k else 'default --draft-tokens'}", ["--draft", str(draft)] +
                                    (["--draft-tokens", str(k)] if k else [])) for k in [0, *fixed]]
     settings += [(f"ceiling (the demo model as draft), {fixed[-1]} tokens",
                   ["--draft", str(ceiling), "--draft-tokens", str(fixed[-1])])] if fixed else []
@@ -481,7 +481,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
     parser.add_argument("--batches", default="1,2,4,8,16,32", help="concurrent requests / batch sizes")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for one child run or one batch")
-    parser.add_argument("--draft-tokens", default="8", help="speculative: fixed draft lengths to run besides adaptive")
+    parser.add_argument("--draft-tokens", default="8", help="speculative: fixed draft lengths to run besides the default")
     parser.add_argument("--spec-tokens", type=int, default=100, help="speculative: new tokens per run")
     parser.add_argument("--airllm", help="python of a venv holding airllm==4.0.0 (row (d)); left out when not given")
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -529,11 +529,12 @@ def main() -> None:
                                "prompts and --batch-size N, process wall time (load included).", table, sizes))
     if "speculative" in sections:
         print("\n" + speculative(args, cap))
-    print(f"\nModel: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
-          f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
-          f"{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch {__import__('torch').__version__}, "
-          f"transformers {__import__('transformers').__version__}; 1-min load average {load_before:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after.")
+    model = (f"Model: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
+             f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
+             if sections - {"speculative"} else "")
+    print(f"\n{model}{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch "
+          f"{__import__('torch').__version__}, transformers {__import__('transformers').__version__}; 1-min load "
+          f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
 
 
 def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> None:
