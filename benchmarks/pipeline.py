@@ -21,6 +21,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,7 +41,27 @@ from shardstream.stream.batching import SamplingParams
 
 TOKEN = "bench"
 CONTEXT = 256
+MEMCAP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "memcap"
 IN_FLIGHT = (1, 2, 4, 8)   # requests submitted together (at most the stages' 8 KV sessions)
+
+
+@contextmanager
+def running_pipeline(folder: Path, store: Path, names: list[str], options: CoordinatorOptions,
+                     wrapper: list[str] = ()) -> Iterator[tuple[list, Coordinator, PipelineModel]]:
+    """Agents (under `wrapper`), a coordinator and its stage server, all stopped on the way out."""
+    agents = spawn_agents(names, TOKEN, folder / "agents", wrapper=wrapper)
+    coordinator = Coordinator(open_store(store), [AgentClient(a.url, TOKEN) for a in agents], options)
+    pipeline = PipelineModel(coordinator, "127.0.0.1")
+    server = BackgroundServer(coordinator_app(pipeline, None, "bench", folder / "work" / "stages", TOKEN), "127.0.0.1", 0)
+    coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
+    try:
+        yield agents, coordinator, pipeline
+    finally:
+        server.stop()
+        pipeline.close()
+        coordinator.close()
+        for agent in agents:
+            agent.stop()
 
 
 def build_store(folder: Path, layers: int, hidden: int, intermediate: int | None = None,
@@ -101,14 +123,9 @@ def main() -> None:
         single = statistics.median(clock.times)
         rows = [("single process", "-", 1 / single, single * 1e3, "-", "-", "-")]
         flights = []
-        agents = spawn_agents(["a", "b", "c"], TOKEN, folder / "agents")
-        coordinator = Coordinator(open_store(store_path), [AgentClient(a.url, TOKEN) for a in agents],
-                                  CoordinatorOptions(folder / "work", context_length=CONTEXT))
-        coordinator.profile()
-        pipeline = PipelineModel(coordinator, "127.0.0.1")
-        server = BackgroundServer(coordinator_app(pipeline, None, "bench", folder / "work" / "stages", TOKEN), "127.0.0.1", 0)
-        coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
-        try:
+        with running_pipeline(folder, store_path, ["a", "b", "c"], CoordinatorOptions(folder / "work", context_length=CONTEXT)
+                              ) as (agents, coordinator, pipeline):
+            coordinator.profile()
             for k in (1, 2, 3):
                 coordinator.options.mem_fraction = fraction_for(coordinator, k)
                 route = coordinator.deploy()
@@ -126,12 +143,6 @@ def main() -> None:
                 rows.append((f"{len(stages)} stage(s)", layout, 1 / step, step * 1e3, f"{hop * 1e3:.2f}", predicted, measured))
                 flights += [(len(stages), *row) for row in in_flight(pipeline, agents, prompt, args.tokens, expected)]
             replan = replan_seconds(pipeline, agents, prompt, args.tokens, expected)
-        finally:
-            server.stop()
-            pipeline.close()
-            coordinator.close()
-            for agent in agents:
-                agent.stop()
     block_mb = coordinator.cost.layers[0].weight_bytes / 1e6
     print(f"\nllama {args.layers} blocks x {block_mb:.1f} MB fp32, hidden {args.hidden}; {args.tokens} new tokens after a "
           f"16-token prompt; median per token; outputs token-identical to transformers.\n")
@@ -214,14 +225,9 @@ def streamed_main(tokens: int, cap: str) -> None:
         expected = reference.generate(prompt, max_new_tokens=tokens, do_sample=False, streamer=clock)
         single = statistics.median(clock.times)
         del reference
-        agents = spawn_agents(["s0", "s1"], TOKEN, folder / "agents", wrapper=["/work/shared/tools/memcap", cap, "--"])
-        coordinator = Coordinator(open_store(folder / "store"), [AgentClient(a.url, TOKEN) for a in agents],
-                                  CoordinatorOptions(folder / "work", mem_fraction=0.7, context_length=64,
-                                                     pipeline_order=["s0", "s1"]))
-        pipeline = PipelineModel(coordinator, "127.0.0.1")
-        server = BackgroundServer(coordinator_app(pipeline, None, "bench", folder / "work" / "stages", TOKEN), "127.0.0.1", 0)
-        coordinator.stage_url = f"http://127.0.0.1:{server.port}/stages/"
-        try:
+        options = CoordinatorOptions(folder / "work", mem_fraction=0.7, context_length=64, pipeline_order=["s0", "s1"])
+        with running_pipeline(folder, folder / "store", ["s0", "s1"], options, wrapper=[str(MEMCAP), cap, "--"]
+                              ) as (agents, coordinator, pipeline):
             profiles = coordinator.profile()
             route = coordinator.deploy()
             pipeline.generate(prompt, max_new_tokens=2)
@@ -230,12 +236,6 @@ def streamed_main(tokens: int, cap: str) -> None:
             assert torch.equal(out, expected), "the pipeline's greedy output differs from transformers"
             alive = all(a.process.poll() is None for a in agents)
             reread = [streamed_read_seconds(agent, folder / "agents" / agent.name) for agent in route.agents]
-        finally:
-            server.stop()
-            pipeline.close()
-            coordinator.close()
-            for agent in agents:
-                agent.stop()
         caps = [line for a in agents for line in a.log.read_text().splitlines() if line.startswith("memcap:")]
     step = statistics.median(clock.times)
     stages = route.plan.stages
@@ -256,8 +256,9 @@ def streamed_main(tokens: int, cap: str) -> None:
         print(f"| {s.device} | {speed / 2**20:.0f} | {s.streamed_bytes_per_token / 2**20:.1f} | "
               f"{s.streamed_bytes_per_token / speed * 1e3:.0f} |")
     print(f"\nmeasured: {1 / step:.2f} tok/s ({step * 1e3:.0f} ms/token); disk read floor at the profiled speeds "
-          f"{1 / floor:.2f} tok/s ({floor * 1e3:.0f} ms/token): {step / floor:.2f}x the floor; reading the streamed "
-          f"blocks' files once more with O_DIRECT after the run: {sum(reread) * 1e3:.0f} ms ({step / sum(reread):.2f}x); "
+          f"{1 / floor:.2f} tok/s ({floor * 1e3:.0f} ms/token): decode speed {floor / step:.2f}x the floor's; reading "
+          f"the streamed blocks' files once more with O_DIRECT after the run: {sum(reread) * 1e3:.0f} ms per token's "
+          f"blocks (decode speed {sum(reread) / step:.2f}x that floor's); "
           f"plan predicted {route.plan.objective_value * 1e3:.0f} ms/token; transformers in one uncapped process: "
           f"{single * 1e3:.1f} ms/token.")
     print("\n".join(caps))

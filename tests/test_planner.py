@@ -48,24 +48,28 @@ def evaluate(model, devices, options, spans):
     return times, overflow
 
 
-def brute_force(model, devices, options):
-    """Best latency, best throughput and least overflow over every split, by enumeration."""
+def every_split(model, devices, options):
+    """Every (device, first, end) span list the options allow: devices in order, contiguous blocks."""
     n = len(model.layers)
     order = [next(d for d in devices if d.name == name) for name in options.pipeline_order]
-    best = {"latency": math.inf, "throughput": math.inf}
-    least_overflow = math.inf
     for k in range(1, min(n, len(order)) + 1):
         for used in combinations(order, k):
             for cuts in combinations(range(1, n), k - 1):
                 bounds = [0, *cuts, n]
-                if bounds[1] < options.min_prefix:
-                    continue
-                spans = list(zip(used, bounds, bounds[1:]))
-                times, overflow = evaluate(model, devices, options, spans)
-                least_overflow = min(least_overflow, overflow)
-                if overflow <= 0:
-                    best["latency"] = min(best["latency"], sum(times))
-                    best["throughput"] = min(best["throughput"], max(times))
+                if bounds[1] >= options.min_prefix:
+                    yield list(zip(used, bounds, bounds[1:]))
+
+
+def brute_force(model, devices, options):
+    """Best latency, best throughput and least overflow over every split, by enumeration."""
+    best = {"latency": math.inf, "throughput": math.inf}
+    least_overflow = math.inf
+    for spans in every_split(model, devices, options):
+        times, overflow = evaluate(model, devices, options, spans)
+        least_overflow = min(least_overflow, overflow)
+        if overflow <= 0:
+            best["latency"] = min(best["latency"], sum(times))
+            best["throughput"] = min(best["throughput"], max(times))
     return best, least_overflow
 
 
@@ -297,21 +301,14 @@ def test_streams_only_when_nothing_fits_and_matches_brute_force():
                           rng.choice([0.0, rng.uniform(1, 100), rng.uniform(1, 100)]))
                    for d in devices]   # about two blocks and up: many cases must stream
         options.objective = rng.choice(["latency", "throughput"])
-        order = [next(d for d in devices if d.name == name) for name in options.pipeline_order]
-        n, best_memory, best_streamed = len(model.layers), math.inf, math.inf
-        for k in range(1, min(n, len(order)) + 1):
-            for used in combinations(order, k):
-                for cuts in combinations(range(1, n), k - 1):
-                    bounds = [0, *cuts, n]
-                    if bounds[1] < options.min_prefix:
-                        continue
-                    spans = list(zip(used, bounds, bounds[1:]))
-                    times, streamed, fits = evaluate_streamed(model, devices, options, spans)
-                    value = sum(times) if options.objective == "latency" else max(times)
-                    if fits and not any(streamed):
-                        best_memory = min(best_memory, value)
-                    elif fits:
-                        best_streamed = min(best_streamed, value)
+        best_memory, best_streamed = math.inf, math.inf
+        for spans in every_split(model, devices, options):
+            times, streamed, fits = evaluate_streamed(model, devices, options, spans)
+            value = sum(times) if options.objective == "latency" else max(times)
+            if fits and not any(streamed):
+                best_memory = min(best_memory, value)
+            elif fits:
+                best_streamed = min(best_streamed, value)
         if best_memory == best_streamed == math.inf:
             with pytest.raises(PlanInfeasible):
                 plan(model, devices, options)
