@@ -54,8 +54,7 @@ def _tokens(sequence) -> tuple[list[int], str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_in_a_changing_batch_equal_tokens_alone(tmp_path, family):
     reference, model = _streaming(tmp_path, family)
-    engine = BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0, max_batch_size=8, prefill_chunk_tokens=8)
-    try:
+    with BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0, max_batch_size=8, prefill_chunk_tokens=8) as engine:
         specs = {"a": (_prompt(5, 1), 9), "b": (_prompt(11, 2), 4), "c": (_prompt(3, 3), 7)}
         first = {name: engine.submit(p, SamplingParams(max_new_tokens=n)) for name, (p, n) in specs.items()}
         early = [next(iter(first["a"])) for _ in range(2)]           # the batch is decoding now
@@ -77,8 +76,6 @@ def test_greedy_tokens_in_a_changing_batch_equal_tokens_alone(tmp_path, family):
             want = _alone(reference, prompt, new)
             assert tokens == want, name
             assert finish == ("stop" if want[-1] == EOS else "length")
-    finally:
-        engine.close()
         model.close()
 
 
@@ -88,20 +85,16 @@ def test_sliding_window_attention_stays_exact_with_padding_and_chunks():
     config.sliding_window = 4
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).eval()
-    engine = BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=3)
-    try:
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=3) as engine:
         prompts = [_prompt(n, n) for n in (3, 9, 6)]
         sequences = [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         for prompt, sequence in zip(prompts, sequences):
             assert _tokens(sequence)[0] == _alone(reference, prompt, 8)
-    finally:
-        engine.close()
 
 
 def test_one_pass_over_the_blocks_serves_the_whole_batch(llama):
     _, model = llama
-    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=4)
-    try:
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=4) as engine:
         sequences = [engine.submit(_prompt(4 + i, i), SamplingParams(max_new_tokens=6)) for i in range(4)]
         engine._notify()
         for sequence in sequences:
@@ -109,21 +102,16 @@ def test_one_pass_over_the_blocks_serves_the_whole_batch(llama):
         assert engine.tokens_generated == 24
         # all four submitted before the thread woke or at most in two groups: 1-2 prefills + 5 decode steps
         assert engine.forward_passes <= 2 + 5 + 5
-    finally:
-        engine.close()
 
 
 def test_logprobs_and_prompt_logprobs_equal_log_softmax_of_the_reference(llama):
     reference, model = llama
-    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=5)
-    try:
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=5) as engine:
         prompt = _prompt(9, 7)
         other = engine.submit(_prompt(4, 8), SamplingParams(max_new_tokens=3))   # padding beside it
         sequence = engine.submit(prompt, SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=True))
         events = list(sequence)
         list(other)
-    finally:
-        engine.close()
     ids = torch.tensor([prompt + [e.token for e in events]])
     with torch.no_grad():
         want = torch.log_softmax(reference(ids).logits[0].float(), -1)
@@ -141,8 +129,7 @@ def test_logprobs_and_prompt_logprobs_equal_log_softmax_of_the_reference(llama):
 
 def test_sampling_is_per_sequence_and_repeatable_by_seed(llama):
     _, model = llama
-    engine = BatchEngine(model, eos_token_ids=set(), pad_token_id=0)
-    try:
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0) as engine:
         prompt = _prompt(6, 9)
         hot = SamplingParams(max_new_tokens=8, temperature=1.5, seed=7)
         first, greedy_k, second = (engine.submit(prompt, hot),
@@ -152,8 +139,6 @@ def test_sampling_is_per_sequence_and_repeatable_by_seed(llama):
         other_seed = engine.submit(prompt, SamplingParams(max_new_tokens=8, temperature=1.5, seed=8))
         no_repeat = engine.submit(prompt, SamplingParams(max_new_tokens=8, presence_penalty=100.0))
         a, b, g, k, o, n = (_tokens(s)[0] for s in (first, second, greedy, greedy_k, other_seed, no_repeat))
-    finally:
-        engine.close()
     assert a == b and a != o       # same seed, same tokens; another seed, other tokens
     assert k == g                  # top_k=1 is greedy whatever the temperature
     assert len(set(n)) == len(n)   # a large presence penalty never repeats a token
@@ -161,8 +146,7 @@ def test_sampling_is_per_sequence_and_repeatable_by_seed(llama):
 
 def test_submit_refuses_an_empty_or_too_long_prompt(llama):
     _, model = llama
-    engine = BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0)
-    try:
+    with BatchEngine(model, eos_token_ids={EOS}, pad_token_id=0) as engine:
         with pytest.raises(InvalidOption, match="prompt is empty"):
             engine.submit([], SamplingParams(max_new_tokens=4))
         with pytest.raises(InvalidOption, match="sampling parameters out of range"):
@@ -171,8 +155,6 @@ def test_submit_refuses_an_empty_or_too_long_prompt(llama):
             engine.submit([5, 128], SamplingParams(max_new_tokens=4))
         with pytest.raises(InvalidOption, match=r"plus max_new_tokens \(10\) exceeds the model's context of 64"):
             engine.submit(_prompt(60, 1), SamplingParams(max_new_tokens=10))
-    finally:
-        engine.close()
 
 
 def test_a_failing_step_fails_its_sequences_and_the_engine_keeps_serving():
@@ -185,43 +167,34 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_keeps_serving():
             raise RuntimeError("block 1 could not be read")
 
     hook = reference.model.layers[1].register_forward_pre_hook(fail)
-    engine = BatchEngine(reference, eos_token_ids={EOS}, pad_token_id=0)  # a plain transformers model works too
-    try:
+    with BatchEngine(reference, eos_token_ids={EOS}, pad_token_id=0) as engine:  # a plain transformers model works too
         with pytest.raises(RuntimeError, match="block 1 could not be read"):
             list(engine.submit(_prompt(4, 2), SamplingParams(max_new_tokens=3)))
         broken["on"] = False
         tokens, _ = _tokens(engine.submit(_prompt(5, 1), SamplingParams(max_new_tokens=5)))
         assert tokens == _alone(reference, _prompt(5, 1), 5)
-    finally:
-        engine.close()
         hook.remove()
 
 
 def test_a_long_prefill_is_chunked_between_the_decode_steps_of_the_others():
     """28 chunks of 2 tokens: the running sequence finishes its 20 tokens before the newcomer starts."""
-    engine = BatchEngine(tiny_model("llama"), eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=2)
-    try:
+    with BatchEngine(tiny_model("llama"), eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=2) as engine:
         running = engine.submit(_prompt(4, 1), SamplingParams(max_new_tokens=20))
         next(iter(running))
         newcomer = engine.submit(_prompt(56, 2), SamplingParams(max_new_tokens=1))
         list(newcomer)
         assert running.done  # its 20th token came before the newcomer's first
         assert len(_tokens(running)[0]) == 19
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("options,bound", [(dict(max_batch_size=1), "max_batch_size=1"),
                                            (dict(kv_cache_budget=4000), "KV-cache budget")])
 def test_the_bound_that_limits_the_batch_is_logged(caplog, options, bound):
     reference = tiny_model("llama")  # 4 layers x 2 kv heads x 8 x 2 x 4 bytes = 512 bytes a token
-    engine = BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, **options)
-    try:
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, **options) as engine:
         with caplog.at_level(logging.INFO, logger="shardstream.batching"):
             sequences = [engine.submit(_prompt(3, i), SamplingParams(max_new_tokens=2)) for i in range(3)]
             outputs = [_tokens(s)[0] for s in sequences]
-    finally:
-        engine.close()
     assert outputs == [_alone(reference, _prompt(3, i), 2) for i in range(3)]
     assert bound in caplog.text
 

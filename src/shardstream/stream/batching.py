@@ -267,6 +267,7 @@ class BatchEngine:
     Each loop turn runs at most two passes over the blocks: one chunk (at most `prefill_chunk_tokens`
     tokens) of the newcomers' prefill, then one decode step for every running sequence. Counters for
     benchmarks: `forward_passes` (passes over the blocks = weight reads) and `tokens_generated`.
+    A context manager: leaving it closes the engine.
     """
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
@@ -287,8 +288,7 @@ class BatchEngine:
         self.device = torch.device(getattr(model, "device", "cpu"))
         dtype = getattr(model, "dtype", None) or model.model.dtype
         self.shape = Shape.of(model.config, dtype)
-        self._streamed = False   # until the first pass, the streamed blocks' buffers are not allocated yet
-        self.forward_passes = 0
+        self.forward_passes = 0   # before the first, the streamed blocks' buffers are not allocated yet
         self.tokens_generated = 0
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -314,6 +314,12 @@ class BatchEngine:
             self._waiting.append(sequence)
             self._condition.notify()
         return sequence
+
+    def __enter__(self) -> BatchEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Finish (cancel) every sequence and stop the thread."""
@@ -400,37 +406,37 @@ class BatchEngine:
         """Bytes the batch may still take now (None: no memory bound), the streamed blocks' first buffers reserved."""
         if not self.memory_bound:
             return None
-        return room(0 if self._streamed else getattr(self.model, "stream_working_set", 0))
+        return room(getattr(self.model, "stream_working_set", 0) if self.forward_passes == 0 else 0)
 
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
         which bound bit. A sequence that does not fit waits for running ones to finish; one alone is
         always admitted, so that every request completes."""
         group: list[Sequence] = []
-        limit = None
+        bound, limit = None, None   # which bound bit (said once per change, not per step), and its details
         free = self._room() if self._waiting else None
         with self._condition:
             while self._waiting:
                 if len(self._running) + len(group) >= self.max_batch_size:
-                    limit = f"max_batch_size={self.max_batch_size}"
+                    bound = limit = f"max_batch_size={self.max_batch_size}"
                     break
                 candidate = [*group, self._waiting[0]]
                 kv, needed = self._needs(candidate)
                 alone = len(self._running) + len(candidate) == 1
                 if not alone and self.kv_cache_budget is not None and kv > self.kv_cache_budget:
-                    limit = f"the KV-cache budget of {self.kv_cache_budget} bytes"
+                    bound = limit = f"the KV-cache budget of {self.kv_cache_budget} bytes"
                     break
                 if free is not None and needed > free:
                     if not alone:
+                        bound = "memory"
                         limit = f"memory ({max(free, 0) >> 20} MiB left for the batch, {needed >> 20} MiB needed)"
                         break
-                    if self._streamed:   # before the first pass, the room is an underestimate
+                    if self.forward_passes:   # before the first pass, the room is an underestimate
                         log.warning("one sequence alone needs %d MiB but %d MiB are left; running it anyway",
                                     needed >> 20, max(free, 0) >> 20)
                 group.append(self._waiting.popleft())
             waiting = len(self._waiting)
-        bound = limit.split(" (")[0] if limit else None   # say it once per change of bound, not per step
-        if bound != self._limit and limit is not None:
+        if bound != self._limit and bound is not None:
             log.info("batch limited by %s: %d running, %d admitted, %d waiting",
                      limit, len(self._running), len(group), waiting)
         self._limit = bound
@@ -450,7 +456,6 @@ class BatchEngine:
             out = self.model(ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
                              past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.forward_passes += 1
-        self._streamed = True
         return out.logits
 
     def _prefill_step(self) -> None:
