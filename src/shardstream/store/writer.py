@@ -32,12 +32,17 @@ PART_FILE = "weights.safetensors"
 def write_encoded(path: Path, encoded: EncodedPart) -> str:
     """Write durably at once, read back, and return the checksum the file was verified against
     (for `shardstream shard`, which edits a finished store in place)."""
-    hasher = xxhash.xxh3_128()
-    write_chunks_atomic(path, encoded.stream(hasher))
-    digest = hasher.hexdigest()
+    digest = _stream_to(path, encoded, durable=True)
     if checksum_file(path) != digest:
         raise OSError(f"{path} reads back different from what was written; check the disk and re-run.")
     return digest
+
+
+def _stream_to(path: Path, encoded: EncodedPart, durable: bool) -> str:
+    """Write the part atomically, checksummed on the way; returns the checksum of what was written."""
+    hasher = xxhash.xxh3_128()
+    write_chunks_atomic(path, encoded.stream(hasher), durable=durable)
+    return hasher.hexdigest()
 
 
 def part_file(part: str, piece: int | None = None) -> str:
@@ -108,9 +113,7 @@ class StoreWriter:
         encoded = encode_part(tensors, self.manifest.compression)
         name = part_file(part, piece)
         path = self.root / name
-        hasher = xxhash.xxh3_128()
-        write_chunks_atomic(path, encoded.stream(hasher), durable=False)
-        digest = hasher.hexdigest()
+        digest = _stream_to(path, encoded, durable=False)
         with self._manifest_lock:
             self._unsynced.update((path, path.parent))
             self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
