@@ -185,25 +185,27 @@ def install_errors(app: FastAPI) -> None:
 
 
 def install_api_key(app: FastAPI, api_key: str | None) -> None:
-    """With a key, every path but the health check wants `Authorization: Bearer KEY` (else 401).
-
-    A plain ASGI middleware: Starlette's `@app.middleware("http")` wraps `receive`, after which the
-    handlers can no longer see a client disconnect."""
+    """With a key, every path but the health check wants `Authorization: Bearer KEY` (else 401)."""
     if api_key:
-        app.add_middleware(_RequireKey, expected=f"Bearer {api_key}".encode())
+        secret = (f"Bearer {api_key}".encode(),
+                  "incorrect or missing API key; send 'Authorization: Bearer <key>' with the server's --api-key.")
+        app.add_middleware(RequireBearer, secret_for=lambda path: secret)
 
 
-class _RequireKey:
-    def __init__(self, app, expected: bytes):
-        self.app, self.expected = app, expected
+class RequireBearer:
+    """Every path but the health check wants the bearer secret `secret_for(path)` names, with the
+    sentence a 401 says without it. A plain ASGI middleware: Starlette's `@app.middleware("http")`
+    wraps `receive`, after which the handlers can no longer see a client disconnect."""
+
+    def __init__(self, app, secret_for: Callable[[str], tuple[bytes, str]]):
+        self.app, self.secret_for = app, secret_for
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != HEALTH_PATH:
+            expected, message = self.secret_for(scope["path"])
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "incorrect or missing API key; send 'Authorization: Bearer <key>' with the "
-                                 "server's --api-key.", None, "invalid_api_key")
-                return await error.response()(scope, receive, send)
+            if not hmac.compare_digest(given, expected):
+                return await APIError(401, message, None, "invalid_api_key").response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 

@@ -7,7 +7,6 @@ serves the model to anyone without a secret. /health is open, as on `serve`."""
 
 from __future__ import annotations
 
-import hmac
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from transformers import PreTrainedTokenizerBase
 
-from ..openai_api import HEALTH_PATH, APIError, install_errors
+from ..openai_api import RequireBearer, install_errors
 from ..stream.server import create_app
 from .generation import PipelineModel
 
@@ -34,32 +33,18 @@ def coordinator_app(model: PipelineModel, tokenizer: PreTrainedTokenizerBase | N
         install_errors(app)
     stages.mkdir(parents=True, exist_ok=True)
     app.mount("/stages", StaticFiles(directory=stages), name="stages")
-    app.add_middleware(_Secrets, token=token, api_key=api_key)
+    app.add_middleware(RequireBearer, secret_for=_secrets(token, api_key))
     return app
 
 
-class _Secrets:
-    """Plain ASGI middleware (as `install_api_key`, so handlers still see a client disconnect):
-    /stages/* wants the --token, /health nothing, every other path --api-key (else the --token)."""
-
-    def __init__(self, app, token: str, api_key: str | None):
-        self.app = app
-        self.token = f"Bearer {token}".encode()
-        self.api = f"Bearer {api_key or token}".encode()
-        self.api_flag = "--api-key" if api_key else "--token (no --api-key was given)"
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] == "http" and path != HEALTH_PATH:
-            stages = path == "/stages" or path.startswith("/stages/")
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.token if stages else self.api):
-                what = "stage files need the coordinator's --token" if stages else \
-                    f"API needs the coordinator's {self.api_flag}"
-                error = APIError(401, f"incorrect or missing key: the {what}; send 'Authorization: Bearer <it>'.",
-                                 None, "invalid_api_key")
-                return await error.response()(scope, receive, send)
-        await self.app(scope, receive, send)
+def _secrets(token: str, api_key: str | None):
+    """/stages/* wants the --token; every other path --api-key (else the --token)."""
+    stages = (f"Bearer {token}".encode(), "incorrect or missing key: the stage files need the coordinator's "
+              "--token; send 'Authorization: Bearer <it>'.")
+    flag = "--api-key" if api_key else "--token (no --api-key was given)"
+    api = (f"Bearer {api_key or token}".encode(), f"incorrect or missing key: the API needs the coordinator's "
+           f"{flag}; send 'Authorization: Bearer <it>'.")
+    return lambda path: stages if path == "/stages" or path.startswith("/stages/") else api
 
 
 class BackgroundServer:
