@@ -30,12 +30,13 @@ from transformers.cache_utils import DynamicLayer
 from ..errors import InvalidOption, UnsupportedModel
 from ..store.sharding import load_index
 from ..store import Store
+from ..stream.blocks import StreamedBlocks
 from ..stream.experts import ExpertlessLoader, OnDemandExperts
 from ..stream.loader import BlockLoader, LoadedBlock
 from ..stream.model import common_module, config_dtype, build_meta_model
 from ..stream.residency import resolve_budget
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta
-from .streamed import StreamedBlocks
+from .streamed import stream_blocks
 
 MAX_SESSIONS = 8
 
@@ -107,7 +108,7 @@ class StageModel:
 
         slots = [Slots(block, prefix) for block, prefix in zip(self._blocks, prefixes)]
         released = (lambda index: self.experts.release(self.first + index)) if self.experts else (lambda index: None)
-        return StreamedBlocks(self._blocks, slots, load, budget, released)
+        return stream_blocks(self._blocks, slots, load, budget, released)
 
     @property
     def streamed_blocks(self) -> list[int]:

@@ -9,10 +9,8 @@ head are used for every token and stay resident, as do the first blocks that fit
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
-import time
 from collections.abc import Iterator
 
 import torch
@@ -24,6 +22,7 @@ from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader, LoadedBlock
 from .prefetch import DirectLoader, Prefetcher
 from .profile import Profile
+from .blocks import StreamedBlocks, fill_block
 from .residency import choose_resident, resolve_budget
 from .resolve import ensure_store
 from .weights import Slots, WeightMapper, parameters_on_meta
@@ -116,22 +115,19 @@ class StreamingModel:
         sizes = [s.nbytes for s in self._slots]
         self.resident_blocks = choose_resident(sizes, budget, (prefetch_depth + 1) * max(sizes))
         for index in self.resident_blocks:
-            self._fill(index, self._loader.load(index))
+            fill_block(self._slots[index], self._loader.load(index))
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
         # bytes the blocks in flight take once streaming starts (O_DIRECT buffers or mapped pages): the batch
         # engine keeps them free until its first pass (see admission.py)
         in_flight = prefetch_depth + 1 if prefetching else 1
         self.stream_working_set = in_flight * max((sizes[i] for i in streamed), default=0)
-        self._source = (Prefetcher(self._loader.load, streamed, prefetch_depth) if prefetching and streamed
-                        else DirectLoader(self._loader.load))
-        self._active: tuple[int, LoadedBlock, float, float] | None = None
+        source = (Prefetcher(self._loader.load, streamed, prefetch_depth) if prefetching and streamed
+                  else DirectLoader(self._loader.load))
         self._hooks = list(self.experts.hooks) if self.experts else []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks.append(self.model.register_forward_pre_hook(self._count_pass))
-        for index in streamed:
-            block = self.model.get_submodule(prefixes[index])
-            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._before, index)))
-            self._hooks.append(block.register_forward_hook(functools.partial(self._after, index)))
+        self._streaming = StreamedBlocks([self.model.get_submodule(p) for p in prefixes], self._slots, streamed,
+                                         source, self._released, self._settle)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -189,36 +185,19 @@ class StreamingModel:
             )
         self._resident_slots.fill({n: t.to(self.device) for n, t in params.items() if n in self._resident_slots.names})
 
-    def _fill(self, index: int, block: LoadedBlock) -> None:
-        block.wait()
-        self._slots[index].fill(block.params)
-
     # -- hooks -------------------------------------------------------------------------------
-
-    def _before(self, index: int, module, args) -> None:
-        if self._active is not None:  # the previous pass stopped inside a block (an exception)
-            self._release()
-        block, waited = self._source.get(index)
-        self._fill(index, block)
-        self._active = (index, block, waited, time.perf_counter())
 
     def _count_pass(self, module, args) -> None:
         self.forward_passes += 1
 
-    def _after(self, index: int, module, args, output) -> None:
+    def _settle(self) -> None:
         if self.profiling_mode and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._release()
 
-    def _release(self) -> None:
-        index, block, waited, started = self._active
-        self._active = None
-        self._slots[index].empty()
+    def _released(self, index: int, block: LoadedBlock, waited: float, seconds: float) -> None:
         if self.experts:
             self.experts.release(index)
-        block.params.clear()  # the memory must be free before the reader may start the next block
-        self._source.release()
-        self.profile.record(index, block.read_seconds, waited, time.perf_counter() - started)
+        self.profile.record(index, block.read_seconds, waited, seconds)
 
     # -- the transformers surface ------------------------------------------------------------
 
@@ -280,7 +259,7 @@ class StreamingModel:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._source.close()
+        self._streaming.close()
 
     def __enter__(self) -> StreamingModel:
         return self
