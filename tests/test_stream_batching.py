@@ -205,3 +205,56 @@ def test_close_ends_waiting_and_running_sequences():
     engine.close()
     for sequence in sequences:
         assert list(sequence)[-1].finish_reason in ("cancelled", "length")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_reserved_cache_writes_in_place_and_gives_transformers_logits(family):
+    """kvcache.ReservedLayer: a decode step writes its column into the reservation (no copy of the
+    cache per step, the point of it), a step past the reservation widens it, and the logits equal those
+    of transformers' own DynamicCache, bit for bit."""
+    from transformers import DynamicCache
+
+    from shardstream.stream import kvcache
+
+    model = tiny_model(family).eval()
+    ids = torch.tensor([_prompt(6, 1), _prompt(6, 2)])
+    ours, theirs = kvcache.reserved_cache(8), DynamicCache()
+    with torch.no_grad():
+        for step in range(4):   # prefill 6 columns, then 3 decode steps: the last one outgrows 8
+            columns = ids if step == 0 else ids[:, :1] + step
+            want = model(columns, past_key_values=theirs, use_cache=True).logits
+            before = [layer._keys.data_ptr() for layer in ours.layers]
+            got = model(columns, past_key_values=ours, use_cache=True).logits
+            assert torch.equal(got, want)
+            moved = [layer._keys.data_ptr() for layer in ours.layers] != before
+            assert moved == (step in (0, 3)), step   # reserved on the first pass, widened past 8 columns
+    assert ours.get_seq_length() == theirs.get_seq_length() == 9
+
+
+def test_the_batch_takes_the_memory_admission_counted(llama):
+    """The running batch's reservation is exactly what admission's kv_peak counts for it (rows x
+    (widest row + most tokens still to come) x KV bytes per token), after joins and leaves."""
+    from shardstream.stream import kvcache
+    from shardstream.stream.admission import kv_peak
+
+    _, model = llama
+    seen = []
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=8) as engine:
+        forward = engine._forward
+
+        def recorded(*args):
+            logits = forward(*args)
+            if engine._running:
+                remaining = max(s.params.max_new_tokens - len(s.generated) for s in engine._running)
+                seen.append((kvcache.reserved_bytes(engine._cache),
+                             kv_peak(engine.shape, len(engine._running), engine._mask.shape[1], remaining)))
+            return logits
+
+        engine._forward = recorded
+        first = [engine.submit(_prompt(n, n), SamplingParams(max_new_tokens=m)) for n, m in ((4, 12), (9, 3))]
+        next(iter(first[0]))
+        late = engine.submit(_prompt(6, 7), SamplingParams(max_new_tokens=5))
+        for sequence in [*first, late]:
+            _tokens(sequence)
+    assert len(seen) > 5
+    assert all(reserved == counted for reserved, counted in seen), seen

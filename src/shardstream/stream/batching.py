@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import DynamicCache
 
+from . import kvcache
 from ..errors import InvalidOption
 from ..sizes import parse_size
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
@@ -196,46 +197,9 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def _pad_left(tensor: torch.Tensor, count: int, dim: int) -> torch.Tensor:
-    if count == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = count
-    return torch.cat([tensor.new_zeros(shape), tensor], dim)
-
-
-def _layers(cache: DynamicCache) -> list:
-    return [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
-
-
-def _merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor) -> torch.Tensor:
-    """Append `other`'s rows to `cache` (in place), left-padding the shorter one; returns the merged mask.
-
-    Each merged tensor is filled in place and `other`'s layer is dropped at once, so the peak is the
-    merged cache plus one layer, not the old cache and the merged one side by side."""
-    rows, length, other_length = mask.shape[0], mask.shape[1], other_mask.shape[1]
-    total = max(length, other_length)
-    for mine, theirs in zip(_layers(cache), _layers(other), strict=True):
-        for name in ("keys", "values"):
-            old, new = getattr(mine, name), getattr(theirs, name)
-            merged = old.new_zeros((old.shape[0] + new.shape[0], *old.shape[1:-2], total, old.shape[-1]))
-            merged[:rows, ..., total - length:, :] = old
-            merged[rows:, ..., total - other_length:, :] = new
-            setattr(mine, name, merged)
-            setattr(theirs, name, None)
-            del old, new
-    return torch.cat([_pad_left(mask, total - length, 1), _pad_left(other_mask, total - other_length, 1)])
-
-
-def _select(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Keep only `rows` (in place), then drop the leading columns that are padding in every row."""
-    index = torch.tensor(rows, device=mask.device)
-    mask = mask[index]
-    leading = int(torch.cumprod((mask.sum(0) == 0).int(), 0).sum()) if rows else 0
-    for layer in _layers(cache):
-        layer.keys = layer.keys[index, :, leading:]
-        layer.values = layer.values[index, :, leading:]
-    return mask[:, leading:]
+def _remaining(sequence: Sequence) -> int:
+    """Tokens a sequence may still generate: the columns its cache rows must still hold."""
+    return sequence.params.max_new_tokens - len(sequence.generated)
 
 
 def resolve_kv_budget(budget: int | str | None) -> int | None:
@@ -256,7 +220,7 @@ class _Prefill:
     sequences: list[Sequence]
     ids: torch.Tensor            # (rows, longest prompt), left-padded
     mask: torch.Tensor
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache               # reserved for the longest prompt and the most tokens a row may generate
     done_columns: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)   # kept only when prompt_logprobs is asked
 
@@ -381,26 +345,28 @@ class BatchEngine:
 
     def _needs(self, group: list[Sequence]) -> tuple[int, int]:
         """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
-        is allocated now, at the worse of two moments: the group's prefill passes, with the caches as they
-        are then plus the prefill's activations; and the batch's last token, with its cache at its widest
-        plus a decode pass's activations).
+        is allocated now, at the worst of three moments: the group's prefill passes (the running batch's
+        reservation, the group's own and a prefill pass's activations), the merge (the merged reservation
+        built a layer at a time while the old ones are dropped), and the batch's last token (the merged
+        reservation plus a decode pass's activations).
 
         The batch is left-padded, so every row is as wide as the widest: the merged width (the running
         width after the group's prefill passes, or the group's longest prompt) plus the most tokens any
-        row may still generate."""
+        row may still generate; that is what kvcache reserves."""
         shape, running = self.shape, len(self._running)
         longest = max(s.prompt_tokens for s in group)
         passes, columns = prefill_passes(len(group), longest, self.prefill_chunk_tokens)
         running_width = self._mask.shape[1] + passes if running else 0
         width = max(running_width, longest)
-        remaining = max(s.params.max_new_tokens - len(s.generated) for s in [*self._running, *group])
+        remaining = max(_remaining(s) for s in [*self._running, *group])
         kv = kv_peak(shape, running + len(group), width, remaining)
+        allocated = kvcache.reserved_bytes(self._cache)
+        own = kv_peak(shape, len(group), longest, 0)   # the group's cache holds its prompts until it joins
         echo = any(s.params.prompt_logprobs for s in group)
-        prefill = (kv_peak(shape, running, running_width, 0) + kv_peak(shape, len(group), longest, 0)
-                   + shape.pass_bytes(len(group), columns, longest, longest if echo else 1))
+        prefill = allocated + own + shape.pass_bytes(len(group), columns, longest, longest if echo else 1)
+        merge = max(kv // shape.layers + allocated + own, kv + (allocated + own) // shape.layers)
         last = kv + shape.pass_bytes(running + len(group), 1, width + remaining, 1)
-        allocated = sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self._cache)) if self._cache else 0
-        return kv, max(prefill, last) - allocated
+        return kv, max(prefill, merge, last) - allocated
 
     def _room(self) -> int | None:
         """Bytes the batch may still take now (None: no memory bound), the streamed blocks' first buffers reserved."""
@@ -448,7 +414,10 @@ class BatchEngine:
         for row, sequence in enumerate(group):
             ids[row, longest - sequence.prompt_tokens:] = torch.tensor(sequence.prompt_ids)
             mask[row, longest - sequence.prompt_tokens:] = 1
-        return _Prefill(group, ids.to(self.device), mask.to(self.device))
+        # the prompts only: widened for the tokens to come once prefilled (see _prefill_step), so that the
+        # prefill's activations and the whole batch's widest cache are never in memory together
+        cache = kvcache.reserved_cache(longest)
+        return _Prefill(group, ids.to(self.device), mask.to(self.device), cache)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
         """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
@@ -479,13 +448,15 @@ class BatchEngine:
         keep = [row for row, s in enumerate(group.sequences) if not s.done]
         if not keep:
             return
-        mask = _select(group.cache, group.mask, keep)
+        kept = [group.sequences[row] for row in keep]
         if self._running:
-            self._mask = _merge(self._cache, self._mask, group.cache, mask)
+            mask = kvcache.select(group.cache, group.mask, keep, 0)
+            remaining = max(map(_remaining, [*self._running, *kept]))
+            self._mask = kvcache.merge(self._cache, self._mask, group.cache, mask, remaining)
         else:
-            self._cache, self._mask = group.cache, mask
-        self._running.extend(group.sequences[row] for row in keep)
-        used = sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self._cache))
+            self._cache, self._mask = group.cache, kvcache.select(group.cache, group.mask, keep, max(map(_remaining, kept)))
+        self._running.extend(kept)
+        used = sum(layer.keys.nbytes + layer.values.nbytes for layer in kvcache.filled_layers(self._cache))
         self.shape = replace(self.shape, kv_per_token=max(1, used // self._mask.numel()))
 
     def _prompt_logprobs(self, group: _Prefill) -> None:
@@ -521,6 +492,6 @@ class BatchEngine:
             return
         self._running = [self._running[row] for row in keep]
         if keep:
-            self._mask = _select(self._cache, self._mask, keep)
+            self._mask = kvcache.select(self._cache, self._mask, keep, max(map(_remaining, self._running)))
         else:
             self._cache, self._mask = None, None
