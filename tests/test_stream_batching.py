@@ -258,3 +258,27 @@ def test_the_batch_takes_the_memory_admission_counted(llama):
             _tokens(sequence)
     assert len(seen) > 5
     assert all(reserved == counted for reserved, counted in seen), seen
+
+
+@pytest.mark.parametrize("gather", [0.0, 0.1])
+def test_requests_sent_together_start_together(llama, gather):
+    """An idle engine gathers a burst (requests 10 ms apart) into one prefill pass; without gathering the
+    first starts alone and the burst costs more passes over the blocks."""
+    import threading
+    import time
+
+    _, model = llama
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, gather_seconds=gather) as engine:
+        sequences = []
+
+        def send():
+            for seed in range(4):
+                sequences.append(engine.submit(_prompt(5, seed), SamplingParams(max_new_tokens=4)))
+                time.sleep(0.01)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        sender.join()
+        assert all(len(_tokens(s)[0]) == 4 for s in sequences)
+    together = 1 + 3   # one prefill pass, then 3 decode steps for all four
+    assert (engine.forward_passes == together) == (gather > 0), engine.forward_passes

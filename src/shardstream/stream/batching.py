@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,7 @@ from .model import check_context
 log = logging.getLogger("shardstream.batching")
 
 NO_TOKEN = -1          # the token of a cancelled sequence's last event: no token was generated
+GATHER_ROUNDS = 10     # an idle engine waits at most this many gather_seconds for a burst of requests to end
 
 
 @dataclass(frozen=True)
@@ -235,16 +237,20 @@ class BatchEngine:
     """
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
-                 kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512):
+                 kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512,
+                 gather_seconds: float = 0.02):
         if max_batch_size < 1:
             raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
         if prefill_chunk_tokens < 1:
             raise InvalidOption(f"prefill_chunk_tokens must be at least 1, not {prefill_chunk_tokens}.")
+        if gather_seconds < 0:
+            raise InvalidOption(f"gather_seconds must be 0 or more, not {gather_seconds}.")
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.gather_seconds = gather_seconds
         self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
         self.memory_bound = kv_cache_budget is not None   # "auto" or a number: admit only what memory holds
         if self.memory_bound:
@@ -306,6 +312,8 @@ class BatchEngine:
             with self._condition:
                 while not (self._closed or self._waiting or self._running or self._prefill):
                     self._condition.wait()
+                if not (self._running or self._prefill):
+                    self._gather()
                 if self._closed:
                     return
             self._drop_cancelled()
@@ -315,6 +323,19 @@ class BatchEngine:
                 self._guarded(self._prefill_step, self._prefill.sequences)
             if self._running:
                 self._guarded(self._decode_step, self._running)
+
+    def _gather(self) -> None:
+        """An idle engine that gets a request waits until no other has arrived for `gather_seconds` (at
+        most GATHER_ROUNDS times that in all, or until a full batch waits), so that requests sent together
+        start together. Alone, the first would take a pass over the blocks for its prefill, then one more
+        per chunk of the others' prefill, each a whole weight read for one token (a dynamic batcher's queue
+        delay; 32 clients at once through `serve`: 21 then 11 without it). Holds the condition."""
+        started = time.monotonic()
+        while not self._closed and len(self._waiting) < self.max_batch_size:
+            arrived = len(self._waiting)
+            left = min(self.gather_seconds, started + GATHER_ROUNDS * self.gather_seconds - time.monotonic())
+            if left <= 0 or (not self._condition.wait(left) and len(self._waiting) == arrived):
+                return
 
     def _guarded(self, step: Callable[[], None], sequences: list[Sequence]) -> None:
         """A failing step fails the sequences it was serving (their iterators raise) and the rest goes on."""
