@@ -2,11 +2,12 @@
 
 Checked at every admission against the memory really left (`available_memory`, a cgroup cap
 included), not once when the engine starts: a budget fixed at start counted as free the bytes that
-the streamed blocks take only on the first pass (two O_DIRECT buffers of a block each), and under a
-600 MiB cap 16 concurrent requests were killed (issue 10). A candidate batch fits when what it still
-needs (its KV caches and a pass's activations, at the worse of its prefill and its last token) stays
-within what is available now, minus the streaming working set not allocated yet and a fixed slack for
-the server's own objects. The engine (`batching.py`) does the bookkeeping; this module the sizes.
+the streamed blocks take only on the first pass (the reader's O_DIRECT buffers), and under a 600 MiB
+cap 16 concurrent requests were killed (issue 10). The engine therefore makes one pass before it
+admits anything (`BatchEngine._warm_up`). A candidate batch fits when what it still needs (its KV
+cache reservation and a pass's activations, at the worst of its prefill, its merge and its last
+token) stays within what is available now minus a fixed slack for the server's own objects. The
+engine (`batching.py`) does the bookkeeping; this module the sizes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Shape:
     vocab: int
     kv_per_token: int    # keys and values of one token over all layers, bytes
     element: int         # bytes per activation element
+    kv_heads: int        # fewer than heads (grouped-query attention): attention may repeat a layer's keys and values
 
     @classmethod
     def of(cls, config, dtype: torch.dtype) -> Shape:
@@ -51,29 +53,31 @@ class Shape:
                         or 4 * text.hidden_size)
         return cls(layers=text.num_hidden_layers, hidden=max(text.hidden_size, heads * head_dim),
                    intermediate=intermediate, heads=heads, vocab=text.vocab_size,
-                   kv_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element, element=element)
+                   kv_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element, element=element,
+                   kv_heads=kv_heads)
 
     def pass_bytes(self, rows: int, new_columns: int, width: int, logit_columns: int) -> int:
         """Peak temporaries of one pass over the blocks: per new token the hidden-sized states (residual,
         norm, q/k/v, attention and MLP outputs: 9) and the MLP's intermediate ones (gate, up, product: 4),
-        the attention scores and their softmax, one layer's keys and values copied as the cache grows
-        (and repeated for grouped heads), and the logits kept, with their float and log-softmax copies."""
+        the attention scores and their softmax, one layer's keys and values repeated for grouped heads
+        (the reserved cache itself is written in place, see kvcache.py), and the logits kept, with their
+        float and log-softmax copies."""
         tokens = rows * new_columns
         per_token = (9 * self.hidden + 4 * self.intermediate) * self.element
         scores = 2 * rows * self.heads * new_columns * width * self.element
-        layer_kv = 2 * rows * width * self.kv_per_token // self.layers
+        repeated = self.heads // self.kv_heads if self.kv_heads < self.heads else 0
+        layer_kv = rows * width * self.kv_per_token // self.layers * repeated
         logits = rows * logit_columns * self.vocab * (self.element + 8)
         return int(SAFETY * (tokens * per_token + scores + layer_kv + logits))
 
 
-def room(unallocated: int) -> int:
-    """Bytes the batch may still take now: available memory minus the streaming working set that is
-    not allocated yet (`unallocated`) and SLACK. Freed heap memory is given back to the system first,
-    or it would count as used."""
+def room() -> int:
+    """Bytes the batch may still take now: available memory minus SLACK. Freed heap memory is given
+    back to the system first, or it would count as used."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
-    return available_memory()[0] - unallocated - SLACK
+    return available_memory()[0] - SLACK
 
 
 def map_large_allocations() -> None:

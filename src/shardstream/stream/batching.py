@@ -307,7 +307,22 @@ class BatchEngine:
         with self._condition:
             self._condition.notify()
 
+    def _warm_up(self) -> None:
+        """Under a memory bound, one pass over streamed blocks before the first admission: the reader's
+        buffers are then allocated and in use, so admission measures the memory really left rather than
+        guessing what the first pass will take (a first burst was held to 11 of 32 by that guess), and
+        every block has been checksummed. A failure here (a corrupt store) is left for the first request
+        to meet and report."""
+        if not (self.memory_bound and getattr(self.model, "stream_working_set", 0)):
+            return
+        try:
+            with torch.no_grad():
+                self.model(torch.tensor([[self.pad_token_id]], device=self.device), use_cache=False)
+        except Exception:  # noqa: BLE001 - the first request meets it again, where it is reported
+            log.debug("warm-up pass failed", exc_info=True)
+
     def _loop(self) -> None:
+        self._warm_up()
         while True:
             with self._condition:
                 while not (self._closed or self._waiting or self._running or self._prefill):
@@ -390,10 +405,8 @@ class BatchEngine:
         return kv, max(prefill, merge, last) - allocated
 
     def _room(self) -> int | None:
-        """Bytes the batch may still take now (None: no memory bound), the streamed blocks' first buffers reserved."""
-        if not self.memory_bound:
-            return None
-        return room(getattr(self.model, "stream_working_set", 0) if self.forward_passes == 0 else 0)
+        """Bytes the batch may still take now (None: no memory bound)."""
+        return room() if self.memory_bound else None
 
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
