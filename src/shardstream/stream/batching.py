@@ -268,6 +268,7 @@ class BatchEngine:
         self._limit: str | None = None
         self._closed = False
         self._condition = threading.Condition()
+        self._warm_up()   # before the thread: a server says it listens only once this is done
         self._thread = threading.Thread(target=self._loop, name="shardstream-batch", daemon=True)
         self._thread.start()
 
@@ -322,7 +323,6 @@ class BatchEngine:
             log.debug("warm-up pass failed", exc_info=True)
 
     def _loop(self) -> None:
-        self._warm_up()
         while True:
             with self._condition:
                 while not (self._closed or self._waiting or self._running or self._prefill):
