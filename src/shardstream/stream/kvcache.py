@@ -46,19 +46,22 @@ class ReservedLayer(DynamicLayer):
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if end > self._keys.shape[-2]:
-            self.hold(self.keys, self.values, end)
+            self.keep(list(range(self.keys.shape[0])), self.keys, self.values, end)
         self._keys[..., start:end, :] = key_states
         self._values[..., start:end, :] = value_states
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
-    def hold(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        """Make `keys`/`values` this layer's contents, copied into a new reservation `capacity` wide."""
-        self.capacity = max(capacity, keys.shape[-2])
-        reserved_keys, reserved_values = _reserve(keys, self.capacity), _reserve(values, self.capacity)
+    def keep(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Make rows `rows` of `keys`/`values` this layer's contents, in a new reservation `capacity`
+        wide; copied row by row, so the layer is never in memory more than twice."""
         width = keys.shape[-2]
-        reserved_keys[..., :width, :] = keys
-        reserved_values[..., :width, :] = values
+        self.capacity = max(capacity, width)
+        reserved_keys = _reserve(keys, self.capacity, len(rows))
+        reserved_values = _reserve(values, self.capacity, len(rows))
+        for new, old in enumerate(rows):
+            reserved_keys[new, ..., :width, :] = keys[old]
+            reserved_values[new, ..., :width, :] = values[old]
         self._keys, self._values = reserved_keys, reserved_values
         self.keys, self.values = reserved_keys[..., :width, :], reserved_values[..., :width, :]
 
@@ -124,10 +127,11 @@ def select(cache: DynamicCache, mask: torch.Tensor, rows: list[int], remaining: 
     leading = int(torch.cumprod((kept.sum(0) == 0).int(), 0).sum()) if rows else 0
     kept = kept[:, leading:]
     layers = filled_layers(cache)
-    if len(rows) == mask.shape[0] and not leading and all(l.capacity >= kept.shape[1] + remaining for l in layers):
+    every = len(rows) == mask.shape[0]
+    if every and not leading and all(layer.capacity >= kept.shape[1] + remaining for layer in layers):
         return kept
     for layer in layers:
-        layer.hold(layer.keys[index, :, leading:], layer.values[index, :, leading:], kept.shape[1] + remaining)
+        layer.keep(rows, layer.keys[:, :, leading:], layer.values[:, :, leading:], kept.shape[1] + remaining)
     return kept
 
 
