@@ -238,7 +238,7 @@ class BatchEngine:
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
                  kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512,
-                 gather_seconds: float = 0.02):
+                 gather_seconds: float = 0.05):
         if max_batch_size < 1:
             raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
         if prefill_chunk_tokens < 1:
