@@ -168,12 +168,12 @@ def test_prefetch_keeps_at_most_depth_plus_one_blocks_and_hides_reads():
         waited = 0.0
         for _ in range(3):
             for index in range(4):
-                _, wait = prefetcher.get(index)
+                block, wait = prefetcher.get(index)
                 waited += wait
                 time.sleep(0.03)
                 with lock:
                     in_memory -= 1
-                prefetcher.release()
+                prefetcher.release(block)
         prefetcher.close()
         assert peak <= depth + 1
         assert waited < 0.2 * 12 * 0.01 + 0.012  # only the very first read is not hidden
@@ -186,8 +186,7 @@ def test_a_load_error_reaches_the_forward_pass():
         return LoadedBlock(index, {}, 0.0)
 
     prefetcher = Prefetcher(load, [0, 1], 1)
-    prefetcher.get(0)
-    prefetcher.release()
+    prefetcher.release(prefetcher.get(0)[0])
     with pytest.raises(StoreCorrupt, match="mid/1"):
         prefetcher.get(1)
     prefetcher.close()

@@ -16,7 +16,6 @@ from torch import nn
 
 from ..stream.blocks import StreamedBlocks, fill_block
 from ..stream.loader import LoadedBlock
-from ..stream.prefetch import DirectLoader, Prefetcher
 from ..stream.residency import choose_resident
 from ..stream.weights import Slots
 from .planner import STREAM_DEPTH
@@ -30,5 +29,8 @@ def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[i
     for k in resident:
         fill_block(slots[k], load(k))
     streamed = [k for k in range(len(slots)) if k not in resident]
-    source = Prefetcher(load, streamed, STREAM_DEPTH) if streamed else DirectLoader(load)
-    return StreamedBlocks(blocks, slots, streamed, source, lambda k, *_: released(k))
+
+    def whole(key: tuple[int, int]) -> LoadedBlock:
+        return load(key[0])   # a stage reads its blocks whole: one piece each
+
+    return StreamedBlocks(blocks, slots, streamed, whole, STREAM_DEPTH, lambda k, *_: released(k))

@@ -316,6 +316,7 @@ class BatchEngine:
         to meet and report."""
         if not (self.memory_bound and getattr(self.model, "stream_working_set", 0)):
             return
+        self.model.leave_memory_to_a_batch()   # the page cache will not keep the blocks: read them directly
         try:
             with torch.no_grad():
                 self.model(torch.tensor([[self.pad_token_id]], device=self.device), use_cache=False)

@@ -1,8 +1,18 @@
-"""Blocks that are in memory only while they run: a forward pre-hook fills a streamed block from its
-source (the prefetcher, which reads the next one meanwhile) just before it runs, and a forward hook
-empties it right after, so that its memory is free before the reader starts another. Used by the
-whole-model runtime (`model.StreamingModel`) and by a pipeline stage larger than its device's
-memory (`pipeline/streamed.py`).
+"""Blocks that are in memory only while they run, piece by piece (see pieces.py).
+
+A forward pre-hook on a block fills its piece 0 (the small tensors) from its source (the
+prefetcher, which reads the next pieces meanwhile) just before the block runs; a pre-hook on each
+big module fills that module's piece and a forward hook empties it right after, so that its memory
+is free before the reader starts another; piece 0 is emptied when the block ends. A block that is
+one piece is simply filled before it runs and emptied after. Used by the whole-model runtime
+(`model.StreamingModel`) and by a pipeline stage larger than its device's memory
+(`pipeline/streamed.py`).
+
+The reader reads pieces ahead in `named_modules()` order, the forward order of nearly every
+family; but not of all (Phi-3 defines `o_proj` before `qkv_proj`), and a piece asked for out of
+read order costs a whole cycle of reads. So the first complete pass also records the order it asks
+in: at its first departure from the guess, the rest of that pass reads each piece when it is asked
+for, and from the next pass on the prefetcher walks the recorded order.
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ from collections.abc import Callable
 from torch import nn
 
 from .loader import LoadedBlock
+from .pieces import Piece, whole
+from .prefetch import DirectLoader, Prefetcher
 from .weights import Slots
 
 
@@ -23,41 +35,99 @@ def fill_block(slots: Slots, block: LoadedBlock) -> None:
 
 
 class StreamedBlocks:
-    """Hooks on `blocks[k]` for each k in `streamed`; `source.get(k)` gives (block, seconds waited).
-    `released(k, block, waited, seconds)` runs when block k is emptied (seconds: it was in place),
-    `settle()` after it ran, before it is emptied (e.g. a CUDA synchronize to time it)."""
+    """Hooks on the pieces of each streamed block k (`pieces[k]`, default: `blocks[k]` whole);
+    `load((k, i))` reads piece i of block k. `depth`: the pieces read ahead (None: none, each piece
+    is read when asked for); `held`: the keys the reader does not count (pieces.held_through).
+    `released(k, read, waited, seconds)` runs when block k is emptied (its pieces' read and wait
+    times summed; seconds: it was in place), `settle()` after it ran, before it is emptied (e.g. a
+    CUDA synchronize to time it)."""
 
-    def __init__(self, blocks: list[nn.Module], slots: list[Slots], streamed: list[int], source,
-                 released: Callable[[int, LoadedBlock, float, float], None] = lambda *_: None,
-                 settle: Callable[[], None] = lambda: None):
-        self.streamed, self._slots, self._source = streamed, slots, source
+    def __init__(self, blocks: list[nn.Module], slots: list[Slots], streamed: list[int],
+                 load: Callable[[tuple[int, int]], LoadedBlock], depth: int | None,
+                 released: Callable[[int, float, float, float], None] = lambda *_: None,
+                 settle: Callable[[], None] = lambda: None, pieces: dict[int, list[Piece]] | None = None,
+                 held: frozenset = frozenset()):
+        self.streamed, self._slots = streamed, slots
+        self.pieces = pieces or {k: whole(blocks[k], slots[k].names, slots[k].nbytes) for k in streamed}
+        self._load, self._depth, self._held_keys = load, depth, held
+        self._guess = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
+        self._source: DirectLoader | Prefetcher = (DirectLoader(load) if depth is None or not streamed
+                                                   else Prefetcher(load, self._guess, depth, held))
+        self._guessing = isinstance(self._source, Prefetcher)   # it reads ahead in `_guess` order
+        self.order: list[tuple[int, int]] | None = None   # the forward order, once a whole pass ran
+        self._asked: list[tuple[int, int]] = []           # the keys asked for in this pass, until then
         self._released, self._settle = released, settle
-        self._active: tuple[int, LoadedBlock, float, float] | None = None
+        self._block: list | None = None   # [k, started, read seconds, waited seconds] of the block in place
+        self._held: dict[int, tuple[Piece, LoadedBlock]] = {}   # piece number -> what fills it
         self.hooks = []
+        self._pending: dict[int, int] = {}   # piece number -> its modules that have not run yet
         for k in streamed:
-            self.hooks.append(blocks[k].register_forward_pre_hook(functools.partial(self._before, k)))
-            self.hooks.append(blocks[k].register_forward_hook(functools.partial(self._after, k)))
+            for i, piece in enumerate(self.pieces[k]):
+                for module in piece.modules:
+                    self.hooks.append(module.register_forward_pre_hook(functools.partial(self._before, k, i)))
+                    self.hooks.append(module.register_forward_hook(functools.partial(self._after, k, i)))
 
-    def _before(self, k: int, module, args) -> None:
-        self.release()   # a pass that stopped inside a block (an exception) left it in place
-        block, waited = self._source.get(k)
-        fill_block(self._slots[k], block)
-        self._active = (k, block, waited, time.perf_counter())
+    def _before(self, k: int, i: int, module, args) -> None:
+        if i == 0:
+            self.release()   # a pass that stopped inside a block (an exception) left it in place
+        elif i in self._held:
+            return           # filled when another of its modules started
+        if self.order is None:
+            self._learn((k, i))
+        item, waited = self._source.get((k, i))
+        fill_block(self._slots[k], item)
+        if i == 0:
+            self._block = [k, time.perf_counter(), 0.0, 0.0]
+        self._held[i] = (self.pieces[k][i], item)
+        self._pending[i] = len(self.pieces[k][i].modules)
+        if self._block is not None:
+            self._block[2] += item.read_seconds
+            self._block[3] += waited
 
-    def _after(self, k: int, module, args, output) -> None:
-        self._settle()
-        self.release()
+    def _after(self, k: int, i: int, module, args, output) -> None:
+        if i == 0:
+            self._settle()
+            self.release()
+        elif i in self._held:
+            self._pending[i] -= 1
+            if not self._pending[i]:
+                self._empty(k, i)
+
+    def _empty(self, k: int, i: int) -> None:
+        piece, item = self._held.pop(i)
+        self._slots[k].empty(piece.names)
+        item.params.clear()
+        self._source.release(item)
 
     def release(self) -> None:
         """Empty the block in place, if any: its memory must be free before the reader starts the next."""
-        if self._active is None:
+        if self._block is None:
             return
-        (k, block, waited, started), self._active = self._active, None
+        (k, started, read, waited), self._block = self._block, None
         seconds = time.perf_counter() - started
-        self._slots[k].empty()
-        self._released(k, block, waited, seconds)
-        block.params.clear()
-        self._source.release()
+        for i in sorted(self._held, reverse=True):
+            self._empty(k, i)
+        self._slots[k].empty()   # also what others filled (on-demand experts)
+        self._released(k, read, waited, seconds)
+        if self.order is None and k == self.streamed[-1] and self._asked[:1] == [(self.streamed[0], 0)]:
+            self._learned()
+
+    def _learn(self, key: tuple[int, int]) -> None:
+        """Record `key`; where it departs from the guessed order, read on demand for the rest of the pass."""
+        if key == (self.streamed[0], 0):
+            self._asked = []
+        self._asked.append(key)
+        at = len(self._asked) - 1
+        if self._guessing and (at >= len(self._guess) or self._guess[at] != key):
+            self._source.close()
+            self._source, self._guessing = DirectLoader(self._load), False
+
+    def _learned(self) -> None:
+        """A whole pass ran: from now on the reader reads ahead, in the order that pass asked."""
+        self.order, self._asked = self._asked, []
+        if self._depth is not None and not self._guessing:
+            self._source.close()
+            self._source = Prefetcher(self._load, self.order, self._depth, self._held_keys)
 
     def close(self) -> None:
         """Empty the block in place, take the hooks off, stop the reader."""

@@ -17,6 +17,8 @@ import mmap
 import os
 import threading
 
+import xxhash
+
 from ..errors import InvalidOption, StoreCorrupt, StoreIncomplete
 from ..store import Store
 from ..store.checksum import checksum_bytes
@@ -31,11 +33,12 @@ class DirectUnsupported(OSError):
     """This file's filesystem refuses O_DIRECT; map the file instead."""
 
 
-def use_direct(store: Store, mode: str | None = None) -> bool:
+def use_direct(store: Store, mode: str | None = None, memory: int | None = None) -> bool:
     """Whether blocks should be read with O_DIRECT: `mode` (default: $SHARDSTREAM_DIRECT_IO, else 'auto').
 
     'auto' reads directly when the blocks cannot all stay in the page cache (their files are larger
-    than the memory available, a cgroup cap included): then caching them only costs reclaim.
+    than `memory`, default the memory available, a cgroup cap included): then caching them only
+    costs reclaim.
     """
     mode = (mode or os.environ.get(ENV) or "auto").lower()
     if mode not in MODES:
@@ -46,25 +49,27 @@ def use_direct(store: Store, mode: str | None = None) -> bool:
         return True
     files = store.manifest.files
     blocks = sum(files[f].size for p, rec in store.manifest.parts.items() if p.startswith("mid/") for f in rec.files)
-    return blocks > available_memory()[0]
+    return blocks > (available_memory()[0] if memory is None else memory)
 
 
 class BufferPool:
-    """Page-aligned anonymous buffers: taken for one file read, given back once its block has run."""
+    """Page-aligned anonymous buffers: taken for one read, given back once its block (or piece) has run.
+
+    A buffer is reused only for a request of its own (page-rounded) size: callers ask for one size
+    per kind of read (see loader.py), so a small request never takes, and then forces a new, big one."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
-        self.allocated = 0  # buffers made so far: with reuse, the blocks in flight, not the blocks read
+        self.allocated = 0  # buffers made so far: with reuse, the pieces in flight, not the pieces read
 
     def take(self, size: int) -> mmap.mmap:
-        need = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        need = aligned(max(size, 1))
         with self._lock:
-            fitting = [b for b in self._free if len(b) >= need]
-            if fitting:
-                buffer = min(fitting, key=len)
-                self._free.remove(buffer)
-                return buffer
+            for buffer in self._free:
+                if len(buffer) == need:
+                    self._free.remove(buffer)
+                    return buffer
             self.allocated += 1
         return mmap.mmap(-1, need)  # anonymous mappings are page-aligned
 
@@ -74,49 +79,113 @@ class BufferPool:
         buffers.clear()
 
 
-def read_direct(store: Store, file_name: str, pool: BufferPool, verify: bool = False) -> tuple[mmap.mmap, memoryview]:
-    """(pool buffer, view of exactly the file's bytes), checksum-verified when `verify`."""
-    path = store.file_path(file_name)
-    record = store.manifest.files[file_name]
+def aligned(offset: int) -> int:
+    """`offset` rounded up to the O_DIRECT alignment."""
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _open(path) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
     except FileNotFoundError:
         raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.") from None
     except OSError as error:
         if error.errno == errno.EINVAL:
             raise DirectUnsupported(error.errno, f"{path}: O_DIRECT not supported") from None
         raise
-    buffer = None
+
+
+def _pread(fd: int, path, view: memoryview, offset: int) -> int:
+    """Fill `view` from file offset `offset` (aligned); fewer bytes only at the end of the file."""
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as error:
+            if error.errno == errno.EINVAL:  # open accepted O_DIRECT, the read did not
+                raise DirectUnsupported(error.errno, f"{path}: O_DIRECT read refused") from None
+            raise
+        if not got:
+            break
+        done += got
+    return done
+
+
+def _shorter(path) -> StoreCorrupt:
+    return StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert` to repair the store.")
+
+
+def _check_size(store: Store, file_name: str, fd: int, path) -> int:
+    size = os.fstat(fd).st_size
+    if size != store.manifest.files[file_name].size:
+        raise StoreCorrupt(f"{path} is {size} bytes but the manifest says "
+                           f"{store.manifest.files[file_name].size}; re-run `shardstream convert` to repair the store.")
+    return size
+
+
+def verify_direct(store: Store, file_name: str, chunk: int = 1 << 20) -> None:
+    """Hash the whole file through one small buffer (nothing enters the page cache); StoreCorrupt if it differs."""
+    path = store.file_path(file_name)
+    fd = _open(path)
     try:
-        size = os.fstat(fd).st_size
-        if size != record.size:
-            raise StoreCorrupt(
-                f"{path} is {size} bytes but the manifest says {record.size}; re-run `shardstream convert` to repair the store."
-            )
-        buffer = pool.take(size)
-        whole = memoryview(buffer)
+        size = _check_size(store, file_name, fd, path)
+        buffer = mmap.mmap(-1, chunk)
+        view = memoryview(buffer)
+        hasher = xxhash.xxh3_128()
         done = 0
         while done < size:
-            try:
-                got = os.preadv(fd, [whole[done:]], done)
-            except OSError as error:
-                if error.errno == errno.EINVAL:  # open accepted O_DIRECT, the read did not
-                    raise DirectUnsupported(error.errno, f"{path}: O_DIRECT read refused") from None
-                raise
+            got = _pread(fd, path, view, done)
             if not got:
                 break
+            hasher.update(view[:min(got, size - done)])
             done += got
+        view.release()
+        buffer.close()
+    finally:
+        os.close(fd)
+    if done < size:
+        raise _shorter(path)
+    if hasher.hexdigest() != store.manifest.files[file_name].xxh3_128:
+        raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+
+
+def read_ranges(store: Store, file_name: str, spans: list[tuple[int, int]], buffer: mmap.mmap, at: int) -> int:
+    """Read each aligned (begin, end) file range of `spans` into `buffer` one after another from
+    position `at`; returns the position after the last. The file's size is checked first."""
+    path = store.file_path(file_name)
+    fd = _open(path)
+    try:
+        size = _check_size(store, file_name, fd, path)
+        whole = memoryview(buffer)
+        for begin, end in spans:
+            got = _pread(fd, path, whole[at:at + end - begin], begin)
+            if got < min(end, size) - begin:
+                raise _shorter(path)
+            at += end - begin
+    finally:
+        os.close(fd)
+    return at
+
+
+def read_direct(store: Store, file_name: str, pool: BufferPool, verify: bool = False,
+                capacity: int = 0) -> tuple[mmap.mmap, memoryview]:
+    """(pool buffer of at least `capacity` bytes, view of exactly the file's bytes), checksum-verified when `verify`."""
+    path = store.file_path(file_name)
+    fd = _open(path)
+    buffer = None
+    try:
+        size = _check_size(store, file_name, fd, path)
+        buffer = pool.take(max(size, capacity))
+        done = _pread(fd, path, memoryview(buffer), 0)
+        if done < size:
+            raise _shorter(path)
+        view = memoryview(buffer)[:size]
+        if verify and checksum_bytes(view) != store.manifest.files[file_name].xxh3_128:
+            raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
     except BaseException:
         if buffer is not None:
             pool.give([buffer])
         raise
     finally:
         os.close(fd)
-    if done < size:
-        pool.give([buffer])
-        raise StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert` to repair the store.")
-    view = memoryview(buffer)[:size]
-    if verify and checksum_bytes(view) != record.xxh3_128:
-        pool.give([buffer])
-        raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
     return buffer, view

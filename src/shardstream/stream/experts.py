@@ -39,6 +39,9 @@ class ExpertlessLoader(BlockLoader):
     def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
         return {n: t for n, t in super().read(parts).items() if n not in self._skip}
 
+    def checkpoint_keys(self, index: int) -> list[str]:
+        return [n for n in super().checkpoint_keys(index) if n not in self._skip]
+
 
 class _Layer:
     """One block's fused experts module, and which of its experts are in place right now."""

@@ -1,4 +1,5 @@
-"""Reading one block from the store into ready-to-use parameter tensors on the target device."""
+"""Reading one block, or one piece of a block (see pieces.py), from the store into ready-to-use
+parameter tensors on the target device."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import quant
 from ..store import Store
-from .direct import BufferPool, DirectUnsupported, read_direct, use_direct
-from .mapped import cool, map_part
+from ..store.partfile import tensor_from_bytes
+from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
+from .mapped import cool, map_part, map_tensors, spans, verify_mapped
+from .pieces import Piece
 from .weights import WeightMapper
+
+Layout = list[tuple[str, list[tuple[int, int]]]]  # per file: the aligned (begin, end) ranges a piece reads
 
 
 @dataclass
 class LoadedBlock:
-    """A block's parameters, ready once `ready` (a CUDA event, or None on CPU) has fired."""
+    """A block's parameters (or one piece's: `piece`), ready once `ready` (a CUDA event, or None on CPU) has fired."""
 
     index: int
     params: dict[str, torch.Tensor]
@@ -26,6 +32,7 @@ class LoadedBlock:
     mappings: list = field(default_factory=list)  # the mapped files, hinted cold when the block is released
     buffers: list = field(default_factory=list)  # O_DIRECT buffers, back to `pool` when the block is released
     pool: BufferPool | None = None
+    piece: int = 0
 
     def cool(self) -> None:
         """The block has run: its pages are the first the kernel should reclaim (see mapped.cool), its
@@ -56,6 +63,12 @@ class BlockLoader:
     Blocks (not the resident parts) are read with O_DIRECT into reused buffers instead when they
     cannot all stay in the page cache (see direct.py; `direct=None` asks `use_direct`); a
     filesystem that refuses O_DIRECT switches this loader back to mapping for good.
+
+    A streamed block is read piece by piece (`load_piece`, after `plan`): only the checkpoint
+    tensors that map onto the piece, each as its own page-aligned byte range, into a buffer of one
+    size for every piece (two sizes: held-through pieces 0, the rest), so any free buffer fits the
+    next piece and the pool never holds more than the pieces in flight. The first piece read of a
+    block hashes the block's whole files first, through a small buffer.
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
@@ -68,8 +81,46 @@ class BlockLoader:
         self.device = device
         self._verify = verify
         self._verified: set[str] = set()
+        self._verifying = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._collect = threading.local()  # load() gathers the mappings that read() makes
+        self._pieces: dict[tuple[int, int], list[str] | None] = {}   # None: read with the whole block
+        self._layouts: dict[tuple[int, int], Layout] = {}
+        self._capacity: dict[tuple[int, int], int] = {}
+        self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
+        files = self.store.manifest.files
+        self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
+                                    if p.startswith("mid/") for f in rec.files), default=0)
+
+    def checkpoint_keys(self, index: int) -> list[str]:
+        """The checkpoint tensors a load of block `index` gives."""
+        return self.store.tensor_names(f"mid/{index}")
+
+    def split(self, index: int, pieces: list[Piece]) -> list[list[str]] | None:
+        """The checkpoint keys of each piece of block `index`; None when the block must be read whole
+        (a remote store, tensors stored outside the part's own files, or a key feeding two pieces)."""
+        keys = self.checkpoint_keys(index)
+        if getattr(self.store, "remote", False) or not set(keys) <= set(self.store.manifest.parts[f"mid/{index}"].tensors):
+            return None
+        owner = {name: i for i, piece in enumerate(pieces) for name in piece.names}
+        out: list[list[str]] = [[] for _ in pieces]
+        for key in keys:
+            homes = {owner[name] for name in self.mapper.target_names([key]) if name in owner}
+            if len(homes) > 1:
+                return None
+            if homes:
+                out[homes.pop()].append(key)
+        return out
+
+    def plan(self, pieces: dict[tuple[int, int], list[str] | None], held: frozenset) -> None:
+        """The pieces `load_piece` reads: key (block, piece) -> checkpoint keys (None: the whole block).
+        Held-through pieces share one buffer size, the others another."""
+        self._pieces, self.held = dict(pieces), held
+        self._layouts = {key: _layout(self.store, names) for key, names in pieces.items() if names is not None}
+        need = {key: sum(e - b for _, ranges in layout for b, e in ranges) for key, layout in self._layouts.items()}
+        for group in (held, need.keys() - held):
+            size = max((need[key] for key in group if key in need), default=0)
+            self._capacity.update({key: size for key in group if key in need})
 
     def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
@@ -94,7 +145,7 @@ class BlockLoader:
         taken: list = []
 
         def read(file_name: str) -> memoryview:
-            buffer, view = read_direct(self.store, file_name, self._pool, verify)
+            buffer, view = read_direct(self.store, file_name, self._pool, verify, self._block_capacity)
             taken.append(buffer)
             return view
 
@@ -131,3 +182,98 @@ class BlockLoader:
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
         return LoadedBlock(index, moved, 0.0, ready, host)
+
+    def load_piece(self, key: tuple[int, int]) -> LoadedBlock:
+        """Piece `key` = (block, piece) as planned; the whole block where the plan says None."""
+        index, piece = key
+        names = self._pieces[key]
+        if names is None:
+            item = self.load(index)
+            item.piece = piece
+            return item
+        started = time.perf_counter()
+        self._verify_block(index)
+        mappings: list = []
+        buffers: list = []
+        try:
+            tensors = None
+            if self.direct:
+                try:
+                    tensors = self._read_piece_direct(key, names, buffers)
+                except DirectUnsupported:
+                    self.direct = False
+            if tensors is None:
+                tensors = map_tensors(self.store, names, mappings)
+            params = self.mapper.convert(tensors)
+        except BaseException:
+            self._pool.give(buffers)
+            raise
+        item = self.to_device(index, params)
+        item.piece = piece
+        item.mappings, item.buffers, item.pool = mappings, buffers, self._pool
+        item.read_seconds = time.perf_counter() - started
+        return item
+
+    def _verify_block(self, index: int) -> None:
+        """The first piece read of a block checks its files whole, as a whole-block read would."""
+        part = f"mid/{index}"
+        with self._verifying:   # the prefetcher's readers may be reading two pieces of the block at once
+            if not self._verify or part in self._verified:
+                return
+            for file_name in self.store.part_files(part):
+                if self.direct:
+                    try:
+                        verify_direct(self.store, file_name)
+                        continue
+                    except DirectUnsupported:
+                        self.direct = False
+                verify_mapped(self.store, file_name)
+            self._verified.add(part)
+
+    def _read_piece_direct(self, key: tuple[int, int], names: list[str], buffers: list) -> dict[str, torch.Tensor]:
+        buffer = self._pool.take(self._capacity[key])
+        buffers.append(buffer)
+        placed: dict[str, list[tuple[int, int, int]]] = {}   # file -> (begin, end, position in buffer)
+        at = 0
+        for file_name, ranges in self._layouts[key]:
+            start = at
+            at = read_ranges(self.store, file_name, ranges, buffer, at)
+            placed[file_name] = []
+            for begin, end in ranges:
+                placed[file_name].append((begin, end, start))
+                start += end - begin
+
+        def view(file_name: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
+            if 0 in shape:  # no bytes, maybe at a range's end
+                return tensor_from_bytes(buffer, 0, dtype, shape)
+            begin, _, position = next(r for r in placed[file_name] if r[0] <= offset < r[1])
+            return tensor_from_bytes(buffer, position + offset - begin, dtype, shape)
+
+        tensors = {}
+        for name in names:
+            record = self.store.manifest.tensors[name]
+            stored = view(record.file, record.offset, record.dtype, record.shape)
+            if record.quant:
+                scales = record.quant["absmax"]
+                stored = quant.dequantize(stored, view(record.file, scales["offset"], scales["dtype"], scales["shape"]),
+                                          record.quant)
+            tensors[name] = stored
+        return tensors
+
+
+def _layout(store: Store, names: list[str]) -> Layout:
+    """Per file, the page-aligned byte ranges holding these tensors (and their scales), merged where they touch."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name in names:
+        record = store.manifest.tensors[name]
+        by_file.setdefault(record.file, []).extend((b // ALIGN * ALIGN, aligned(e)) for b, e in spans(record))
+    layout = []
+    for file_name in sorted(by_file):
+        merged: list[tuple[int, int]] = []
+        for begin, end in sorted(by_file[file_name]):
+            if merged and begin <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((begin, end))
+        layout.append((file_name, merged))
+    return layout

@@ -17,7 +17,9 @@ import torch
 
 from ..errors import StoreCorrupt, StoreIncomplete
 from ..store import Store
-from ..store.checksum import checksum_bytes
+from ..store.checksum import checksum_bytes, checksum_file
+from ..store.manifest import TensorRecord
+from ..store.partfile import decode_tensor
 
 PAGE = mmap.PAGESIZE
 
@@ -41,7 +43,32 @@ def map_part(store: Store, part: str, verify: bool = False,
     return store.load(part, read=read, verify=verify, experts=experts)
 
 
-def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
+def map_tensors(store: Store, names: list[str], mappings: list[mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
+    """These stored tensors (all in local part files, none an alias) viewing private mappings of
+    their files; only their own pages (and a quantized tensor's scales) are read in, not the files'."""
+    records = {name: store.manifest.tensors[name] for name in names}
+    tensors = {}
+    for file_name in sorted({r.file for r in records.values()}):
+        here = {n: r for n, r in records.items() if r.file == file_name}
+        mapping = _map_file(store, file_name, ranges=[s for r in here.values() for s in spans(r)])
+        if mappings is not None:
+            mappings.append(mapping)
+        tensors.update({name: decode_tensor(mapping, 0, record) for name, record in here.items()})
+    return tensors
+
+
+def spans(record: TensorRecord) -> list[tuple[int, int]]:
+    """The (begin, end) file byte ranges a stored tensor is decoded from: its data, and its scales when quantized."""
+    found = [(record.offset, record.offset + record.length)]
+    if record.quant:
+        scales = record.quant["absmax"]
+        found.append((scales["offset"], scales["offset"] + scales["length"]))
+    return found
+
+
+def _map_file(store: Store, file_name: str, verify: bool = False,
+              ranges: list[tuple[int, int]] | None = None) -> mmap.mmap:
+    """A private mapping of the file, its pages read in now (only those of `ranges` when given)."""
     path = store.file_path(file_name)
     expected = store.manifest.files[file_name].size
     try:
@@ -54,16 +81,20 @@ def _map_file(store: Store, file_name: str, verify: bool = False) -> mmap.mmap:
             raise StoreCorrupt(
                 f"{path} is {size} bytes but the manifest says {expected}; re-run `shardstream convert` to repair the store."
             )
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)  # start reading the whole file now
+        pages = [(b // PAGE * PAGE, e) for b, e in ranges or [(0, size)] if e > b]
+        for begin, end in pages:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)  # start reading now
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private and writable: torch.frombuffer wants that
     finally:
         os.close(fd)
-    mapping.madvise(mmap.MADV_WILLNEED)
+    for begin, end in pages:
+        mapping.madvise(mmap.MADV_WILLNEED, begin, end - begin)
     if verify:  # hashing reads every page, on this thread
         if checksum_bytes(mapping) != store.manifest.files[file_name].xxh3_128:
             raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
-    elif size:
-        np.frombuffer(mapping, dtype=np.uint8)[::PAGE].max()  # fault every page in now, on this thread
+    else:
+        for begin, end in pages:  # fault the pages in now, on this thread
+            np.frombuffer(mapping, dtype=np.uint8, count=end - begin, offset=begin)[::PAGE].max()
     return mapping
 
 
@@ -84,3 +115,17 @@ def cool(mappings: list[mmap.mmap]) -> None:
         except (OSError, ValueError):  # older kernel, or already closed
             pass
     mappings.clear()
+
+
+def verify_mapped(store: Store, file_name: str) -> None:
+    """Hash the whole file through a small buffer (a mapping hashed whole would count all its pages
+    at once against a memory cap); StoreCorrupt if it differs."""
+    path = store.file_path(file_name)
+    if not path.is_file():
+        raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.")
+    record = store.manifest.files[file_name]
+    if path.stat().st_size != record.size:
+        raise StoreCorrupt(f"{path} is {path.stat().st_size} bytes but the manifest says {record.size}; "
+                           "re-run `shardstream convert` to repair the store.")
+    if checksum_file(path) != record.xxh3_128:
+        raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")

@@ -124,9 +124,11 @@ class Slots:
             else:
                 module._buffers[attr] = tensor
 
-    def empty(self) -> None:
-        """Back to meta, dropping the references so the memory can be freed."""
-        for module, attr, meta in self._meta.values():
+    def empty(self, names: frozenset[str] | set[str] | None = None) -> None:
+        """Back to meta (only `names` when given), dropping the references so the memory can be freed."""
+        for name, (module, attr, meta) in self._meta.items():
+            if names is not None and name not in names:
+                continue
             if attr in module._parameters:
                 module._parameters[attr] = meta
             else:

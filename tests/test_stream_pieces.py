@@ -1,0 +1,174 @@
+"""Blocks streamed piece by piece (stream/pieces.py): the read order is every family's forward order,
+results stay exact through mapping and O_DIRECT (quantized stores too), checksums still fail on the
+first token, the buffers stay within the pieces in flight, and an out-of-order piece is read again
+(slowly, with a warning) instead of going wrong.
+
+The tiny models' modules are far below the 1 MiB a real piece takes, so these tests lower the
+threshold to 1 KiB: every Linear (and fused experts module) is then a piece of its own, while norms,
+routers and q/k norms (at most 512 bytes here) stay in piece 0, as they do at full size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from shardstream.convert import convert
+from shardstream.errors import StoreCorrupt
+from shardstream.shard import place_experts
+from shardstream.store import open_store
+from shardstream.stream import StreamingModel, pieces
+from shardstream.stream.direct import ENV
+from tiny_models import CONFIGS, save_checkpoint
+
+IDS = torch.tensor([[5, 9, 2, 7, 11, 3], [8, 4, 6, 10, 12, 13]])
+TOLERANCE = 1e-5
+SMALL = 1024   # bytes: the tiny models' Linears are 2-16 KiB, their norms and routers at most 512 bytes
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    """Every tiny Linear is a piece of its own (grouping is tested on its own below)."""
+    monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", SMALL)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", SMALL)
+
+
+def _store(tmp_path, family="llama", compression=None):
+    reference = save_checkpoint(family, tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store", compression=compression, progress=False)
+    return reference, open_store(tmp_path / "store")
+
+
+def _asked(model: StreamingModel) -> list:
+    """Records the keys the hooks ask the reader for."""
+    asked = []
+    source = model._streaming._source
+    real = source.get
+
+    def get(key):
+        asked.append(key)
+        return real(key)
+
+    source.get = get
+    return asked
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_forward_order_is_the_read_order(tmp_path, family, caplog):
+    """The first pass teaches the reader the order; every later pass asks for exactly that order, each
+    piece once, so nothing read ahead is dropped (Phi-3 runs qkv_proj before the o_proj it defines first)."""
+    reference, store = _store(tmp_path, family)
+    with StreamingModel(store, max_resident_memory=0) as model:
+        assert all(len(p) > 2 for p in model.pieces.values())  # really split
+        with caplog.at_level(logging.WARNING, logger="shardstream.stream.prefetch"), torch.no_grad():
+            got = model(IDS).logits
+            every = [(k, i) for k, ps in model.pieces.items() for i in range(len(ps))]
+            assert sorted(model._streaming.order) == every   # learned: each piece once
+            assert model._streaming._guessing == (family != "phi3")   # read ahead from the start, where named order is right
+            asked = _asked(model)
+            model(IDS)
+            assert asked == model._streaming.order
+            tokens = model.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert not caplog.records   # nothing read ahead was dropped
+        with torch.no_grad():
+            assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
+        assert torch.equal(tokens, reference.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("compression", [None, "4bit", "8bit"])
+def test_direct_and_mapped_pieces_match_whole_blocks(tmp_path, monkeypatch, compression):
+    _, store = _store(tmp_path, compression=compression)
+    assert any(r.quant for r in store.manifest.tensors.values()) == bool(compression)   # pieces carry their scales
+    results = {}
+    for split, mode in [(False, "off"), (True, "off"), (True, "on")]:
+        monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", SMALL if split else 1 << 40)
+        monkeypatch.setenv(ENV, mode)
+        with StreamingModel(store, max_resident_memory=0) as model:
+            assert model._loader.direct == (mode == "on")
+            assert all((len(p) > 2) == split for p in model.pieces.values())
+            with torch.no_grad():
+                results[split, mode] = model(IDS).logits
+            if mode == "on":   # 2 pieces in flight + 2 held pieces 0, however many pieces were read
+                assert model._loader._pool.allocated <= 4
+    assert torch.equal(results[True, "off"], results[False, "off"])
+    assert torch.equal(results[True, "on"], results[False, "off"])
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_corrupt_block_fails_its_checksum_on_the_first_token(tmp_path, monkeypatch, mode):
+    _, store = _store(tmp_path)
+    name = store.manifest.parts["mid/2"].files[0]
+    data = bytearray((store.root / name).read_bytes())
+    data[-1] ^= 0xFF   # the end of the file: a tensor no piece 0 reads
+    (store.root / name).write_bytes(bytes(data))
+    monkeypatch.setenv(ENV, mode)
+    with StreamingModel(store, max_resident_memory=0) as model:
+        with pytest.raises(StoreCorrupt, match=r"mid/2/.* fails its checksum; re-run `shardstream convert`"):
+            model(IDS)
+
+
+def test_working_set_counts_pieces_not_blocks(tmp_path, monkeypatch):
+    _, store = _store(tmp_path)
+    monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", 1 << 40)
+    with StreamingModel(store, max_resident_memory=0) as whole:
+        block = max(s.nbytes for s in whole._slots)
+        assert whole.stream_working_set == 2 * block
+    monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", SMALL)
+    with StreamingModel(store, max_resident_memory=0) as split:
+        largest = max(p.nbytes for ps in split.pieces.values() for p in ps[1:])
+        assert split.stream_working_set == 2 * largest + 2 * max(ps[0].nbytes for ps in split.pieces.values())
+        assert split.stream_working_set < block
+
+
+def test_a_piece_asked_for_out_of_order_is_read_again_with_a_warning(tmp_path, caplog):
+    """A module run outside the read order (here k_proj of block 0, on its own): the reader drops what
+    it read ahead until that piece comes round, with a warning, and the next pass is still exact."""
+    reference, store = _store(tmp_path)
+    with StreamingModel(store, max_resident_memory=0) as model:
+        k_proj = model.model.model.layers[0].self_attn.k_proj
+        index = next(i for i, p in enumerate(model.pieces[0]) if k_proj in p.modules)
+        with torch.no_grad():
+            model(IDS)   # the reader has learned the order and reads ahead
+        with caplog.at_level(logging.WARNING, logger="shardstream.stream.prefetch"), torch.no_grad():
+            k_proj(torch.ones(1, model.config.hidden_size))
+            got = model(IDS).logits
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"wanted block 0 piece {index} but had read block 0 piece 0" in m for m in messages), messages
+        with torch.no_grad():
+            assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
+
+
+def test_on_demand_experts_stream_with_pieces_and_leave_nothing_behind(tmp_path):
+    """The fused experts filled on demand are no piece the reader reads; they still go with their block."""
+    reference, store = _store(tmp_path, "mixtral")
+    place_experts(store, {"hot": ".", "cold": str(tmp_path / "cold")}, placement={(0, 1): "cold", (2, 2): "cold"})
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
+        assert all(len(p) > 2 for p in model.pieces.values())   # attention Linears still pieces
+        assert not any(layer.mlp.experts in p.modules for layer in model.model.model.layers
+                       for ps in model.pieces.values() for p in ps)
+        with torch.no_grad():
+            got = model(IDS).logits
+            assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
+        left = [n for n, p in model.model.model.layers.named_parameters() if p.device.type != "meta"]
+        assert left == []
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_consecutive_modules_of_one_parent_share_a_piece(tmp_path, monkeypatch, family, caplog):
+    """Up to PIECE_BYTES, sibling Linears are one piece: filled when the first of them starts, emptied
+    when all have run, in whatever order they run (Phi-3 defines o_proj before qkv_proj)."""
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 40)
+    reference, store = _store(tmp_path, family)
+    with caplog.at_level(logging.WARNING), StreamingModel(store, max_resident_memory=0) as model:
+        block = model.model.model.layers[0]
+        groups = [tuple(type(m).__name__ for m in p.modules) for p in model.pieces[0][1:]]
+        assert len(groups) == 2 and all(len(g) >= 2 for g in groups), groups   # attention's, the MLP's
+        assert {m for p in model.pieces[0][1:] for m in p.modules} >= set(block.self_attn.children())
+        with torch.no_grad():
+            for _ in range(2):   # the second pass reads ahead in the learned order
+                got = model(IDS).logits
+                assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
+        assert all(p.device.type == "meta" for p in block.parameters())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
