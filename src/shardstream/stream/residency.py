@@ -14,7 +14,7 @@ import psutil
 from ..errors import InvalidOption
 from ..memory import cgroup_headroom
 
-BATCH_RESIDENT_SHARE = 0.5   # of `auto`'s resident-block budget when batching; the rest is left to the batch
+BATCH_RESIDENT_SHARE = 0.25  # of `auto`'s resident-block budget when batching; the rest is left to the batch
 AUTO_SHARE = 0.75  # of the memory available once the fixed parts are loaded; the rest is slack for the page cache, KV cache and activations
 
 
@@ -65,8 +65,10 @@ def choose_resident(block_bytes: list[int], budget: int, streaming_bytes: int = 
 def batch_resident_budget(max_resident_memory: str, batch_size: int) -> str:
     """`auto` for a batch (serve, offline) keeps blocks resident out of BATCH_RESIDENT_SHARE of what it
     would alone: a resident block saves one block read per pass, while the same bytes of KV cache let
-    more requests share every pass (under a 600 MiB cap: 3 resident blocks are the KV caches of 25
-    requests of 48 tokens)."""
+    more requests share every pass, and a full batch is bound by compute, not reads (under a 600 MiB
+    cap on the reference model, half of `auto` kept 3 blocks: 147 MiB, the KV caches of 24 requests of
+    49 tokens, and held 32 concurrent requests to 30 (fp32) and 21 (4-bit, whose resident blocks are
+    fp32 in memory but save only a 6.5 MB read each); a quarter keeps 1)."""
     if max_resident_memory != "auto" or batch_size == 1:
         return max_resident_memory
     return str(int(resolve_budget("auto", 0) * BATCH_RESIDENT_SHARE))

@@ -37,7 +37,7 @@ def serve_command(
     quiet: Annotated[bool, typer.Option("--quiet", help="No line per request.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Annotated[str, typer.Option(
-        help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of half the share that "
+        help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
              "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.")] = "auto",
     device: Device = "cpu",
     store_path: StorePath = None,
