@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import DynamicCache
 
-from . import kvcache
 from ..errors import InvalidOption
 from ..sizes import parse_size
+from . import kvcache
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
 from .model import check_context
 
@@ -222,7 +222,7 @@ class _Prefill:
     sequences: list[Sequence]
     ids: torch.Tensor            # (rows, longest prompt), left-padded
     mask: torch.Tensor
-    cache: DynamicCache               # reserved for the longest prompt and the most tokens a row may generate
+    cache: DynamicCache          # reserved for the longest prompt; widened or merged when the group joins
     done_columns: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)   # kept only when prompt_logprobs is asked
 
@@ -484,12 +484,13 @@ class BatchEngine:
         if not keep:
             return
         kept = [group.sequences[row] for row in keep]
+        # joining alone, the group's cache becomes the batch's and is widened now; else the merge reserves
+        mask = kvcache.select(group.cache, group.mask, keep, 0 if self._running else max(map(_remaining, kept)))
         if self._running:
-            mask = kvcache.select(group.cache, group.mask, keep, 0)
             remaining = max(map(_remaining, [*self._running, *kept]))
             self._mask = kvcache.merge(self._cache, self._mask, group.cache, mask, remaining)
         else:
-            self._cache, self._mask = group.cache, kvcache.select(group.cache, group.mask, keep, max(map(_remaining, kept)))
+            self._cache, self._mask = group.cache, mask
         self._running.extend(kept)
         used = sum(layer.keys.nbytes + layer.values.nbytes for layer in kvcache.filled_layers(self._cache))
         self.shape = replace(self.shape, kv_per_token=max(1, used // self._mask.numel()))

@@ -115,6 +115,10 @@ def _shorter(path) -> StoreCorrupt:
     return StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert` to repair the store.")
 
 
+def _fails_checksum(path) -> StoreCorrupt:
+    return StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+
+
 def _check_size(store: Store, file_name: str, fd: int, path) -> int:
     size = os.fstat(fd).st_size
     if size != store.manifest.files[file_name].size:
@@ -146,7 +150,7 @@ def verify_direct(store: Store, file_name: str, chunk: int = 1 << 20) -> None:
     if done < size:
         raise _shorter(path)
     if hasher.hexdigest() != store.manifest.files[file_name].xxh3_128:
-        raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+        raise _fails_checksum(path)
 
 
 def read_ranges(store: Store, file_name: str, spans: list[tuple[int, int]], buffer: mmap.mmap, at: int) -> int:
@@ -181,7 +185,7 @@ def read_direct(store: Store, file_name: str, pool: BufferPool, verify: bool = F
             raise _shorter(path)
         view = memoryview(buffer)[:size]
         if verify and checksum_bytes(view) != store.manifest.files[file_name].xxh3_128:
-            raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+            raise _fails_checksum(path)
     except BaseException:
         if buffer is not None:
             pool.give([buffer])

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import replace
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -117,8 +117,8 @@ class StreamingModel:
         blocks = [self.model.get_submodule(p) for p in prefixes]
         pieces = self._split(blocks, prefixes, mapper)
         sizes = [s.nbytes for s in self._slots]
-        # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages): the batch
-        # engine keeps them free until its first pass (see admission.py)
+        # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
+        # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if prefetching else 1
         self.resident_blocks = choose_resident(sizes, budget, working_set(pieces, in_flight))
         for index in self.resident_blocks:
