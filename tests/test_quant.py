@@ -17,7 +17,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Run every test on both paths: pure torch, and bitsandbytes' kernels (quantize and dequantize) if they work here."""
     if request.param == "torch":
         monkeypatch.setattr(quant, "_bnb_kernels", lambda: None)
-    elif quant._bnb_kernels() is None:
+        monkeypatch.setattr(quant, "_bnb_library", lambda: None)
+    elif quant._bnb_kernels() is None or quant._bnb_library() is None:
         pytest.skip("bitsandbytes is not installed or its kernels do not match on this machine")
     else:
         monkeypatch.setattr(quant, "_QUANTIZE_WITH_BNB", True)
@@ -155,6 +156,19 @@ def test_dequantize_reads_bytes_at_an_odd_offset(method: str) -> None:
     buffer = torch.zeros(q.data.numel() + 1, dtype=torch.uint8)
     buffer[1:] = q.data
     assert torch.equal(quant.dequantize(buffer[1:], q.absmax, q.meta), quant.dequantize(q.data, q.absmax, q.meta))
+
+
+@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_into_a_given_buffer_writes_every_value_there(method: str, dtype: torch.dtype) -> None:
+    # A streaming reader dequantizes into a reused buffer: stale values must all be overwritten.
+    q = quant.quantize(randn(6, 130, dtype=dtype), method)
+    out = torch.full((6 * 130,), float("nan"), dtype=dtype)
+    got = quant.dequantize(q.data, q.absmax, q.meta, out)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (6, 130)
+    assert torch.equal(got, quant.dequantize(q.data, q.absmax, q.meta))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        quant.dequantize(q.data, q.absmax, q.meta, torch.empty(6 * 130, dtype=torch.float64))
 
 
 def test_empty_tensor_round_trips() -> None:

@@ -44,7 +44,8 @@ def test_direct_reads_give_the_same_logits_as_mapping(tmp_path, monkeypatch, com
     mapped_logits, mapped_out, mapped = run(store, "off", monkeypatch)
     direct_logits, direct_out, direct = run(store, "on", monkeypatch)
     assert not mapped.direct and direct.direct  # ext4 (or any disk filesystem) takes O_DIRECT
-    assert 1 <= direct._pool.allocated <= 2  # every block read went into one of two reused buffers
+    # every block read went into one of two reused buffers (and was dequantized into one of two more)
+    assert 1 <= direct._pool.allocated <= (4 if compression else 2)
     assert torch.equal(mapped_logits, direct_logits)
     assert torch.equal(mapped_out, direct_out)
 

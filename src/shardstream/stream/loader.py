@@ -3,17 +3,21 @@ parameter tensors on the target device."""
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import quant
 from ..store import Store
+from ..store.manifest import TensorRecord
 from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
-from .mapped import cool, map_part, map_tensors, spans, verify_mapped
+from .mapped import cool, map_part, map_ranges, spans, verify_mapped
 from .pieces import Piece
 from .weights import WeightMapper
 
@@ -86,7 +90,8 @@ class BlockLoader:
         self._collect = threading.local()  # load() gathers the mappings that read() makes
         self._pieces: dict[tuple[int, int], list[str] | None] = {}   # None: read with the whole block
         self._layouts: dict[tuple[int, int], Layout] = {}
-        self._capacity: dict[tuple[int, int], int] = {}
+        self._capacity: dict[tuple[int, int], int] = {}   # bytes of a piece's read buffer
+        self._decoded: dict[tuple[int, int], int] = {}    # bytes of its dequantized tensors' buffer (0: none)
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
         files = self.store.manifest.files
         self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
@@ -114,13 +119,17 @@ class BlockLoader:
 
     def plan(self, pieces: dict[tuple[int, int], list[str] | None], held: frozenset) -> None:
         """The pieces `load_piece` reads: key (block, piece) -> checkpoint keys (None: the whole block).
-        Held-through pieces share one buffer size, the others another."""
+        Held-through pieces share one size of read buffer and one of dequantization buffer, the others
+        another, so that any free buffer of a kind fits the next piece."""
         self._pieces, self.held = dict(pieces), held
         self._layouts = {key: _layout(self.store, names) for key, names in pieces.items() if names is not None}
-        need = {key: sum(e - b for _, ranges in layout for b, e in ranges) for key, layout in self._layouts.items()}
-        for group in (held, need.keys() - held):
-            size = max((need[key] for key in group if key in need), default=0)
-            self._capacity.update({key: size for key in group if key in need})
+        read = {key: sum(e - b for _, ranges in layout for b, e in ranges) for key, layout in self._layouts.items()}
+        decoded = {key: sum(_decoded_bytes(self.store.manifest.tensors[name]) for name in pieces[key])
+                   for key in self._layouts}
+        for group in (held, read.keys() - held):
+            for need, sizes in ((read, self._capacity), (decoded, self._decoded)):
+                size = max((need[key] for key in group if key in need), default=0)
+                sizes.update({key: size for key in group if key in need})
 
     def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
@@ -196,15 +205,16 @@ class BlockLoader:
         mappings: list = []
         buffers: list = []
         try:
-            tensors = None
+            located = None
             if self.direct:
                 try:
-                    tensors = self._read_piece_direct(key, names, buffers)
+                    located = self._read_piece_direct(key, buffers)
                 except DirectUnsupported:
                     self.direct = False
-            if tensors is None:
-                tensors = map_tensors(self.store, names, mappings)
-            params = self.mapper.convert(tensors)
+            if located is None:
+                mapped = map_ranges(self.store, names, mappings)
+                located = lambda file_name, offset: (mapped[file_name], offset)  # noqa: E731
+            params = self.mapper.convert(self._decode(key, names, located, buffers))
         except BaseException:
             self._pool.give(buffers)
             raise
@@ -230,7 +240,8 @@ class BlockLoader:
                 verify_mapped(self.store, file_name)
             self._verified.add(part)
 
-    def _read_piece_direct(self, key: tuple[int, int], names: list[str], buffers: list) -> dict[str, torch.Tensor]:
+    def _read_piece_direct(self, key: tuple[int, int], buffers: list) -> Callable[[str, int], tuple[mmap.mmap, int]]:
+        """Read the piece's ranges into one pool buffer; returns where a file offset landed in it."""
         buffer = self._pool.take(self._capacity[key])
         buffers.append(buffer)
         placed: dict[str, list[tuple[int, int, int]]] = {}   # file -> (begin, end, position in buffer)
@@ -243,22 +254,45 @@ class BlockLoader:
                 placed[file_name].append((begin, end, start))
                 start += end - begin
 
-        def view(file_name: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
-            if 0 in shape:  # no bytes, maybe at a range's end
-                return tensor_from_bytes(buffer, 0, dtype, shape)
-            begin, _, position = next(r for r in placed[file_name] if r[0] <= offset < r[1])
-            return tensor_from_bytes(buffer, position + offset - begin, dtype, shape)
+        def located(file_name: str, offset: int) -> tuple[mmap.mmap, int]:
+            ranges = placed[file_name]
+            begin, _, position = next((r for r in ranges if r[0] <= offset < r[1]), ranges[0])  # no bytes: anywhere
+            return buffer, position + offset - begin
 
+        return located
+
+    def _decode(self, key: tuple[int, int], names: list[str], located: Callable[[str, int], tuple[mmap.mmap, int]],
+                buffers: list) -> dict[str, torch.Tensor]:
+        """The piece's tensors viewing the bytes read; quantized ones dequantized into one pool buffer,
+        reused piece after piece (fresh tensors per piece made dequantization 6x slower, in page faults)."""
+        def view(file_name: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
+            return tensor_from_bytes(*located(file_name, offset), dtype, shape)
+
+        output, at = None, 0
         tensors = {}
         for name in names:
             record = self.store.manifest.tensors[name]
             stored = view(record.file, record.offset, record.dtype, record.shape)
             if record.quant:
-                scales = record.quant["absmax"]
+                if output is None:
+                    output = self._pool.take(self._decoded[key])
+                    buffers.append(output)
+                meta, scales = record.quant, record.quant["absmax"]
+                count = math.prod(meta["shape"])
+                out = torch.frombuffer(output, dtype=quant.DTYPES[meta["dtype"]], count=count, offset=at) if count else None
                 stored = quant.dequantize(stored, view(record.file, scales["offset"], scales["dtype"], scales["shape"]),
-                                          record.quant)
+                                          meta, out)
+                at += _decoded_bytes(record)
             tensors[name] = stored
         return tensors
+
+
+def _decoded_bytes(record: TensorRecord) -> int:
+    """Bytes a quantized tensor takes dequantized, rounded up to a cache line (0 when not quantized)."""
+    if not record.quant:
+        return 0
+    meta = record.quant
+    return -(-math.prod(meta["shape"]) * quant.DTYPES[meta["dtype"]].itemsize // 64) * 64
 
 
 def _layout(store: Store, names: list[str]) -> Layout:

@@ -19,7 +19,6 @@ from ..errors import StoreCorrupt, StoreIncomplete
 from ..store import Store
 from ..store.checksum import checksum_bytes, checksum_file
 from ..store.manifest import TensorRecord
-from ..store.partfile import decode_tensor
 
 PAGE = mmap.PAGESIZE
 
@@ -43,18 +42,15 @@ def map_part(store: Store, part: str, verify: bool = False,
     return store.load(part, read=read, verify=verify, experts=experts)
 
 
-def map_tensors(store: Store, names: list[str], mappings: list[mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
-    """These stored tensors (all in local part files, none an alias) viewing private mappings of
-    their files; only their own pages (and a quantized tensor's scales) are read in, not the files'."""
-    records = {name: store.manifest.tensors[name] for name in names}
-    tensors = {}
-    for file_name in sorted({r.file for r in records.values()}):
-        here = {n: r for n, r in records.items() if r.file == file_name}
-        mapping = _map_file(store, file_name, ranges=[s for r in here.values() for s in spans(r)])
-        if mappings is not None:
-            mappings.append(mapping)
-        tensors.update({name: decode_tensor(mapping, 0, record) for name, record in here.items()})
-    return tensors
+def map_ranges(store: Store, names: list[str], mappings: list[mmap.mmap]) -> dict[str, mmap.mmap]:
+    """{file: private mapping} for these stored tensors' files (all local part files, none an alias),
+    appended to `mappings` too; only the tensors' own pages (and a quantized tensor's scales) are read in."""
+    records = [store.manifest.tensors[name] for name in names]
+    mapped = {}
+    for file_name in sorted({r.file for r in records}):
+        mapped[file_name] = _map_file(store, file_name, ranges=[s for r in records if r.file == file_name for s in spans(r)])
+        mappings.append(mapped[file_name])
+    return mapped
 
 
 def spans(record: TensorRecord) -> list[tuple[int, int]]:
