@@ -148,11 +148,15 @@ def train(args: argparse.Namespace) -> None:
 
 def train_draft(args: argparse.Namespace) -> None:
     """The draft: the demo model's tokenizer (speculation needs the same vocabulary), a smaller model,
-    saved as a single file (it is loaded whole, never streamed)."""
+    saved as a single file (it is loaded whole, never streamed). It learns the demo model's own
+    next-token distributions (distillation), not the text's: speculation keeps a draft token only
+    where the model would have chosen it, so agreeing with the model is what counts (on the
+    reference-scale benchmark, 2.50 tokens per target pass when trained on the text alone)."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.out)
-    model = train_model(args, fetch_texts(args.cache), tokenizer)
+    teacher = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    model = train_model(args, fetch_texts(args.cache), tokenizer, teacher)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -164,7 +168,10 @@ def train_draft(args: argparse.Namespace) -> None:
     print(f"saved {args.draft_out}")
 
 
-def train_model(args: argparse.Namespace, texts: list[str], tokenizer) -> LlamaForCausalLM:
+def train_model(args: argparse.Namespace, texts: list[str], tokenizer,
+                teacher: LlamaForCausalLM | None = None) -> LlamaForCausalLM:
+    """Train on random windows of the text: against its next tokens, or, given a `teacher`, against
+    the teacher's next-token distributions (soft cross-entropy)."""
     data = encode_corpus(tokenizer, texts)
     n_val = len(data) // 50
     train_data, val_data = data[:-n_val], data[-n_val:]
@@ -208,7 +215,12 @@ def train_model(args: argparse.Namespace, texts: list[str], tokenizer) -> LlamaF
         for group in opt.param_groups:
             group["lr"] = lr
         x = batch(train_data, args.batch, args.ctx, tokenizer.bos_token_id, gen)
-        loss = model(input_ids=x, labels=x).loss
+        if teacher is None:
+            loss = model(input_ids=x, labels=x).loss
+        else:
+            with torch.no_grad():
+                wanted = teacher(input_ids=x).logits.softmax(-1)
+            loss = -(wanted * model(input_ids=x).logits.log_softmax(-1)).sum(-1).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -290,8 +302,8 @@ def check(out: Path) -> None:
             )
 
 
-# The draft: 0.92M parameters (3.7 MB, 29% of the demo model's), trained for 4 minutes.
-DRAFT_DEFAULTS = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, minutes=4.0)
+# The draft: 0.92M parameters (3.7 MB, 29% of the demo model's), distilled for 8 minutes.
+DRAFT_DEFAULTS = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, minutes=8.0)
 
 
 def main() -> None:
