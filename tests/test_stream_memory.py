@@ -1,5 +1,6 @@
-"""Pure streaming keeps peak RSS near two pieces of a block (stream/pieces.py: here two 16 MiB MLP
-Linears, a quarter of a block each), for a model whose weights are 3x that bound.
+"""Pure streaming keeps peak RSS near two pieces of a block (stream/pieces.py: here, by default, two
+48 MiB MLP pieces, gate/up/down_proj grouped, three quarters of a 64 MiB block; with a batch
+engine's piece size, two 16 MiB Linears), for a model whose weights are 3x that bound.
 
 Measured in a fresh subprocess (VmHWM, reset after loading, since a child inherits the peak of
 the parent that forked it): after loading the resident parts: the growth of RSS while
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
+from shardstream.stream.pieces import BATCH_PIECE_BYTES
 
 LAYERS, HIDDEN, INTERMEDIATE = 9, 1024, 4096
 SLACK = 40 * 2**20  # KV cache, activations, allocator and thread overhead
@@ -30,7 +32,7 @@ PROBE = textwrap.dedent(r"""
     import json, re, sys
     import psutil, torch
     from shardstream.stream import AutoModel
-    model = AutoModel.from_pretrained(sys.argv[1], max_resident_memory=0)
+    model = AutoModel.from_pretrained(sys.argv[1], max_resident_memory=0, piece_bytes=json.loads(sys.argv[2]))
     baseline = psutil.Process().memory_info().rss
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM), inherited from the forking parent
         f.write("5")
@@ -45,8 +47,9 @@ PROBE = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("direct_io", ["off", "on"])  # blocks mapped from the page cache, or read with O_DIRECT
-def test_peak_rss_stays_within_two_pieces(tmp_path, direct_io):
+# blocks mapped from the page cache, or read with O_DIRECT; the default pieces, or a batch engine's
+@pytest.mark.parametrize(("direct_io", "piece_bytes", "linears"), [("off", None, 3), ("on", None, 3), ("on", BATCH_PIECE_BYTES, 1)])
+def test_peak_rss_stays_within_two_pieces(tmp_path, direct_io, piece_bytes, linears):
     config = AutoConfig.for_model(
         "llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
         num_attention_heads=8, num_key_value_heads=8, vocab_size=256, max_position_embeddings=64,
@@ -58,11 +61,12 @@ def test_peak_rss_stays_within_two_pieces(tmp_path, direct_io):
     del model
     convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
 
-    run = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "store")], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "store"), json.dumps(piece_bytes)],
+                         capture_output=True, text=True,
                          timeout=300, env={**os.environ, "SHARDSTREAM_DIRECT_IO": direct_io})
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["piece"] == HIDDEN * INTERMEDIATE * 4   # the largest piece is an fp32 MLP Linear
+    assert result["piece"] == linears * HIDDEN * INTERMEDIATE * 4   # the largest piece: fp32 MLP Linears
     bound = 2 * result["piece"] + SLACK
     weights = result["blocks"] * result["block"]
     assert weights >= 3 * bound

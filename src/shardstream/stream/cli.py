@@ -36,12 +36,17 @@ def check_device(device: str) -> None:
 
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
-               profile: bool = False, progress: bool = True) -> StreamingModel:
-    """Validate the options first (cheap), then load or convert the model."""
+               profile: bool = False, progress: bool = True, batch_size: int = 1) -> StreamingModel:
+    """Validate the options first (cheap), then load or convert the model. For batches of more than
+    one sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
+    from .pieces import BATCH_PIECE_BYTES
+    from .residency import batch_resident_budget
+
     check_device(device)
+    max_resident_memory = batch_resident_budget(max_resident_memory, batch_size)
     budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
     from .model import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                     max_resident_memory=budget, profiling_mode=profile,
-                                     progress=progress)
+                                     max_resident_memory=budget, profiling_mode=profile, progress=progress,
+                                     piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None)

@@ -16,7 +16,7 @@ from .model import AutoModel, StreamingModel
 from .text import load_tokenizer
 
 
-STREAMED_DRAFT_TOKENS = 8   # benchmarks/stream.py's speculative section: 3.3 tokens per pass against 1.9 adaptive
+STREAMED_DRAFT_TOKENS = 8   # benchmarks/stream.py's speculative section (text-trained draft): 3.3 tokens per pass against 1.9 adaptive
 
 
 def open_draft(source: str, device: str, draft_tokens: int | None, progress: bool,

@@ -91,7 +91,7 @@ class StreamingModel:
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
                  profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None,
-                 experts: str = "with_block"):
+                 experts: str = "with_block", piece_bytes: int | None = None):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
@@ -115,7 +115,7 @@ class StreamingModel:
         self._fill_resident_parts(mapper, prefixes)
         budget = resolve_budget(max_resident_memory, self._resident_slots.nbytes)
         blocks = [self.model.get_submodule(p) for p in prefixes]
-        pieces = self._split(blocks, prefixes, mapper)
+        pieces = self._split(blocks, prefixes, mapper, piece_bytes)
         sizes = [s.nbytes for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
@@ -169,14 +169,15 @@ class StreamingModel:
                     "re-convert the checkpoint with this transformers version."
                 )
 
-    def _split(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper) -> dict[int, list[Piece]]:
-        """Each block's pieces (pieces.py), and the loader's plan for reading them; a block the loader
-        cannot split (see BlockLoader.split) is one piece."""
+    def _split(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
+               piece_bytes: int | None) -> dict[int, list[Piece]]:
+        """Each block's pieces (pieces.py: siblings grouped up to `piece_bytes`), and the loader's plan
+        for reading them; a block the loader cannot split (see BlockLoader.split) is one piece."""
         pieces: dict[int, list[Piece]] = {}
         plan: dict[tuple[int, int], list[str] | None] = {}
         for k, (block, prefix) in enumerate(zip(blocks, prefixes)):
             names = self._slots[k].names & mapper.target_names(self._loader.checkpoint_keys(k))
-            split = split_block(block, prefix, names)
+            split = split_block(block, prefix, names, piece_bytes)
             keys = self._loader.split(k, split)
             if keys is None:
                 pieces[k] = whole(block, names, self._slots[k].nbytes)
@@ -324,6 +325,7 @@ class AutoModel:
         token: str | None = None,
         revision: str | None = None,
         progress: bool = True,
+        piece_bytes: int | None = None,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -332,6 +334,8 @@ class AutoModel:
         ~/.cache/shardstream/<slug>). The converter options apply only when a conversion runs.
         `experts="on_demand"` reads only the MoE experts the router picks, from their tiers (see
         docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
+        `piece_bytes`: the most bytes of a streamed block's big modules in memory at once (pieces.py;
+        default 64 MiB; a batch engine's model passes 16 MiB, leaving memory to its KV caches).
         """
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
@@ -342,5 +346,5 @@ class AutoModel:
         return StreamingModel(
             store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
-            verify_checksums=verify_checksums, dtype=dtype, experts=experts,
+            verify_checksums=verify_checksums, dtype=dtype, experts=experts, piece_bytes=piece_bytes,
         )

@@ -211,15 +211,14 @@ def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, 
     Ends with a line of throughput on stderr (a per-block table per batch step would drown it)."""
     from .batching import BatchEngine
     from .cli import open_model
-    from .residency import batch_resident_budget
     from .text import eos_ids, load_tokenizer, pad_id, sampling_options
 
     if batch_size < 1:
         raise InvalidOption(f"--batch-size must be at least 1, not {batch_size}.")
     prompts = read_prompts(prompts_file)
     done = resume(output, prompts)
-    resident = batch_resident_budget(max_resident_memory, min(batch_size, max(1, len(prompts) - done)))
-    with open_model(source, store_path, resident, device, False, progress) as model:
+    with open_model(source, store_path, max_resident_memory, device, False, progress,
+                    batch_size=min(batch_size, max(1, len(prompts) - done))) as model:
         tokenizer = load_tokenizer(model)
         lengths = []
         for prompt in prompts:

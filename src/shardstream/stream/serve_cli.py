@@ -17,7 +17,6 @@ import typer
 
 from ..errors import InvalidOption
 from .cli import Device, Source, StorePath, open_model
-from .residency import batch_resident_budget
 
 def serve_command(
     source: Source,
@@ -53,9 +52,9 @@ def serve_command(
     from .server import create_app
     from .text import eos_ids, load_tokenizer, pad_id
 
-    resident = batch_resident_budget(max_resident_memory, max_batch_size)
     _log_batch_bounds()
-    with listener, open_model(source, store_path, resident, device, progress=not no_progress) as model:
+    with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
+                              batch_size=max_batch_size) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
