@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
+from ..errors import InvalidOption, PartNotFound
+from . import problems
 from .checksum import checksum_bytes
 from .manifest import Manifest, TensorRecord
 from .partfile import decode_tensor
@@ -101,10 +102,7 @@ class Store:
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
                 if size != record.size:
-                    raise StoreCorrupt(
-                        f"{path} is {size} bytes but the manifest says {record.size}; run "
-                        "`shardstream verify` and re-run `shardstream convert` to repair the store."
-                    )
+                    raise problems.wrong_size(path, size, record.size)
                 buffer = bytearray(size)
                 view = memoryview(buffer)
                 done = 0
@@ -114,13 +112,9 @@ class Store:
                         break
                     done += n
         except FileNotFoundError:
-            raise StoreIncomplete(
-                f"{path} is missing; re-run `shardstream convert` to repair the store."
-            ) from None
+            raise problems.missing(path) from None
         if verify and checksum_bytes(buffer) != record.xxh3_128:
-            raise StoreCorrupt(
-                f"{path} fails its checksum; re-run `shardstream convert` to repair the store."
-            )
+            raise problems.fails_checksum(path)
         return buffer
 
     def read_tensor_bytes(self, record: TensorRecord) -> bytearray:
@@ -136,9 +130,9 @@ class Store:
                 handle.seek(begin)
                 data = bytearray(handle.read(end - begin))
         except FileNotFoundError:
-            raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.") from None
+            raise problems.missing(path) from None
         if len(data) != end - begin:
-            raise StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert`.")
+            raise problems.shorter(path)
         return data
 
     def load_expert(self, layer: int, expert: int) -> Expert:

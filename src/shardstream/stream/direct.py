@@ -19,8 +19,8 @@ import threading
 
 import xxhash
 
-from ..errors import InvalidOption, StoreCorrupt, StoreIncomplete
-from ..store import Store
+from ..errors import InvalidOption
+from ..store import Store, problems
 from ..store.checksum import checksum_bytes
 from .residency import available_memory
 
@@ -88,7 +88,7 @@ def _open(path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
     except FileNotFoundError:
-        raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.") from None
+        raise problems.missing(path) from None
     except OSError as error:
         if error.errno == errno.EINVAL:
             raise DirectUnsupported(error.errno, f"{path}: O_DIRECT not supported") from None
@@ -111,19 +111,10 @@ def _pread(fd: int, path, view: memoryview, offset: int) -> int:
     return done
 
 
-def _shorter(path) -> StoreCorrupt:
-    return StoreCorrupt(f"{path} is shorter than the manifest says; re-run `shardstream convert` to repair the store.")
-
-
-def _fails_checksum(path) -> StoreCorrupt:
-    return StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
-
-
 def _check_size(store: Store, file_name: str, fd: int, path) -> int:
     size = os.fstat(fd).st_size
     if size != store.manifest.files[file_name].size:
-        raise StoreCorrupt(f"{path} is {size} bytes but the manifest says "
-                           f"{store.manifest.files[file_name].size}; re-run `shardstream convert` to repair the store.")
+        raise problems.wrong_size(path, size, store.manifest.files[file_name].size)
     return size
 
 
@@ -148,9 +139,9 @@ def verify_direct(store: Store, file_name: str, chunk: int = 1 << 20) -> None:
     finally:
         os.close(fd)
     if done < size:
-        raise _shorter(path)
+        raise problems.shorter(path)
     if hasher.hexdigest() != store.manifest.files[file_name].xxh3_128:
-        raise _fails_checksum(path)
+        raise problems.fails_checksum(path)
 
 
 def read_ranges(store: Store, file_name: str, spans: list[tuple[int, int]], buffer: mmap.mmap, at: int) -> int:
@@ -164,7 +155,7 @@ def read_ranges(store: Store, file_name: str, spans: list[tuple[int, int]], buff
         for begin, end in spans:
             got = _pread(fd, path, whole[at:at + end - begin], begin)
             if got < min(end, size) - begin:
-                raise _shorter(path)
+                raise problems.shorter(path)
             at += end - begin
     finally:
         os.close(fd)
@@ -182,10 +173,10 @@ def read_direct(store: Store, file_name: str, pool: BufferPool, verify: bool = F
         buffer = pool.take(max(size, capacity))
         done = _pread(fd, path, memoryview(buffer), 0)
         if done < size:
-            raise _shorter(path)
+            raise problems.shorter(path)
         view = memoryview(buffer)[:size]
         if verify and checksum_bytes(view) != store.manifest.files[file_name].xxh3_128:
-            raise _fails_checksum(path)
+            raise problems.fails_checksum(path)
     except BaseException:
         if buffer is not None:
             pool.give([buffer])

@@ -15,8 +15,7 @@ import os
 import numpy as np
 import torch
 
-from ..errors import StoreCorrupt, StoreIncomplete
-from ..store import Store
+from ..store import Store, problems
 from ..store.checksum import checksum_bytes, checksum_file
 from ..store.manifest import TensorRecord
 
@@ -70,13 +69,11 @@ def _map_file(store: Store, file_name: str, verify: bool = False,
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.") from None
+        raise problems.missing(path) from None
     try:
         size = os.fstat(fd).st_size
         if size != expected:
-            raise StoreCorrupt(
-                f"{path} is {size} bytes but the manifest says {expected}; re-run `shardstream convert` to repair the store."
-            )
+            raise problems.wrong_size(path, size, expected)
         pages = [(b // PAGE * PAGE, e) for b, e in ranges or [(0, size)] if e > b]
         for begin, end in pages:
             os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)  # start reading now
@@ -87,7 +84,7 @@ def _map_file(store: Store, file_name: str, verify: bool = False,
         mapping.madvise(mmap.MADV_WILLNEED, begin, end - begin)
     if verify:  # hashing reads every page, on this thread
         if checksum_bytes(mapping) != store.manifest.files[file_name].xxh3_128:
-            raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+            raise problems.fails_checksum(path)
     else:
         for begin, end in pages:  # fault the pages in now, on this thread
             np.frombuffer(mapping, dtype=np.uint8, count=end - begin, offset=begin)[::PAGE].max()
@@ -118,10 +115,9 @@ def verify_mapped(store: Store, file_name: str) -> None:
     at once against a memory cap); StoreCorrupt if it differs."""
     path = store.file_path(file_name)
     if not path.is_file():
-        raise StoreIncomplete(f"{path} is missing; re-run `shardstream convert` to repair the store.")
+        raise problems.missing(path)
     record = store.manifest.files[file_name]
     if path.stat().st_size != record.size:
-        raise StoreCorrupt(f"{path} is {path.stat().st_size} bytes but the manifest says {record.size}; "
-                           "re-run `shardstream convert` to repair the store.")
+        raise problems.wrong_size(path, path.stat().st_size, record.size)
     if checksum_file(path) != record.xxh3_128:
-        raise StoreCorrupt(f"{path} fails its checksum; re-run `shardstream convert` to repair the store.")
+        raise problems.fails_checksum(path)
