@@ -8,13 +8,16 @@ import math
 import pytest
 import torch
 
+from shardstream import quant
 from shardstream.convert import convert
 from shardstream.pipeline.costs import model_cost
 from shardstream.pipeline.package import package_stage, stage_manifest
+from shardstream.pipeline.planner import STREAM_DEPTH
 from shardstream.pipeline.stage import StageModel
 from shardstream.pipeline.transport import pack, unpack
 from shardstream.store import open_store
 from shardstream.store.checksum import checksum_bytes
+from shardstream.stream.direct import ENV, BufferPool
 from tiny_models import save_checkpoint
 
 PROMPT = torch.tensor([[1, 5, 9, 20, 33, 7]])
@@ -188,3 +191,35 @@ def test_cgroup_headroom_reads_v1_and_v2_at_every_level(tmp_path):
     assert cgroup_headroom(tmp_path / "v1.cgroup", v1) == []
     assert available_bytes(123, tmp_path / "v2.cgroup", v2) == 123
     assert available_bytes(None, tmp_path / "v2.cgroup", v2) == 4300
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])   # blocks mapped from the page cache, or read with O_DIRECT
+def test_a_streamed_stage_of_a_quantized_store_reuses_its_buffers(tmp_path, monkeypatch, mode):
+    """A 4-bit store's streamed stage gives the tokens of the same stage in memory, and every block it
+    reads goes into the loader's few pool buffers (dequantized into them too), however many it reads."""
+    save_checkpoint("llama", tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store", compression="4bit", progress=False)
+    store = open_store(tmp_path / "store")
+    assert any(record.quant for record in store.manifest.tensors.values())
+    pools = []
+    real_init = BufferPool.__init__
+
+    def recorded(pool):
+        real_init(pool)
+        pools.append(pool)
+
+    monkeypatch.setattr(BufferPool, "__init__", recorded)
+    monkeypatch.setenv(ENV, mode)
+    n = store.num_layers
+    streamed, in_memory = StageModel(store, 0, n, stream_budget=0), StageModel(store, 0, n)
+    assert streamed.streamed_blocks == list(range(n))
+    into = []   # per dequantization while streaming: was it given a buffer to write into?
+    real_dequantize = quant.dequantize
+    monkeypatch.setattr(quant, "dequantize", lambda *args, **kwargs: (
+        into.append((args[3:] or [kwargs.get("out")])[0] is not None), real_dequantize(*args, **kwargs))[1])
+    tokens = _greedy([streamed], PROMPT[0].tolist(), 8)
+    assert into and all(into)
+    assert tokens == _greedy([in_memory], PROMPT[0].tolist(), 8)
+    in_flight = STREAM_DEPTH + 1   # a read buffer (O_DIRECT only) and a dequantization buffer each
+    assert 1 <= sum(pool.allocated for pool in pools) <= (2 if mode == "on" else 1) * in_flight
+    streamed.close()

@@ -34,6 +34,7 @@ from ..stream.blocks import StreamedBlocks
 from ..stream.experts import ExpertlessLoader, OnDemandExperts
 from ..stream.loader import BlockLoader, LoadedBlock
 from ..stream.model import common_module, config_dtype, build_meta_model
+from ..stream.pieces import whole
 from ..stream.residency import resolve_budget
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta
 from .streamed import stream_blocks
@@ -101,14 +102,22 @@ class StageModel:
         loader = (ExpertlessLoader(store, mapper, cpu, True, self.experts.checkpoint_names) if self.experts
                   else BlockLoader(store, mapper, cpu, True))
 
-        def load(index: int) -> LoadedBlock:
-            block = loader.load(self.first + index)
+        # each block is one piece, read into the loader's reused buffers (a quantized one dequantized into them)
+        plan = {}
+        for index, block in enumerate(self._blocks):
+            keys = loader.checkpoint_keys(self.first + index)
+            split = loader.split(self.first + index, whole(block, mapper.target_names(keys), 0))
+            plan[(self.first + index, 0)] = split[0] if split is not None else None
+        loader.plan(plan, frozenset())
+
+        def renamed(index: int, block: LoadedBlock) -> LoadedBlock:
             block.params = self._renamed(index, block.params)
             return block
 
         slots = [Slots(block, prefix) for block, prefix in zip(self._blocks, prefixes)]
         released = (lambda index: self.experts.release(self.first + index)) if self.experts else (lambda index: None)
-        return stream_blocks(self._blocks, slots, load, budget, released)
+        return stream_blocks(self._blocks, slots, lambda index: renamed(index, loader.load(self.first + index)),
+                             lambda index: renamed(index, loader.load_piece((self.first + index, 0))), budget, released)
 
     @property
     def streamed_blocks(self) -> list[int]:

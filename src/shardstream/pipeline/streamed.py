@@ -21,9 +21,11 @@ from ..stream.weights import Slots
 from .planner import STREAM_DEPTH
 
 
-def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[int], LoadedBlock], budget: int,
+def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[int], LoadedBlock],
+                  stream: Callable[[int], LoadedBlock], budget: int,
                   released: Callable[[int], None] = lambda k: None) -> StreamedBlocks:
-    """Blocks 0..n-1 of a stage (`load(k)` reads block k under the stage's names), kept within `budget` bytes."""
+    """Blocks 0..n-1 of a stage, kept within `budget` bytes: `load(k)` reads block k under the stage's
+    names to keep it resident, `stream(k)` to run it once (into buffers given back when it is emptied)."""
     sizes = [s.nbytes for s in slots]
     resident = choose_resident(sizes, budget, (STREAM_DEPTH + 1) * max(sizes))
     for k in resident:
@@ -31,6 +33,6 @@ def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[i
     streamed = [k for k in range(len(slots)) if k not in resident]
 
     def whole(key: tuple[int, int]) -> LoadedBlock:
-        return load(key[0])   # a stage reads its blocks whole: one piece each
+        return stream(key[0])   # a stage reads its blocks whole: one piece each
 
     return StreamedBlocks(blocks, slots, streamed, whole, STREAM_DEPTH, lambda k, *_: released(k))
