@@ -164,6 +164,7 @@ def test_dequantize_into_a_given_buffer_writes_every_value_there(method: str, dt
     # A streaming reader dequantizes into a reused buffer: stale values must all be overwritten.
     q = quant.quantize(randn(6, 130, dtype=dtype), method)
     out = torch.full((6 * 130,), float("nan"), dtype=dtype)
+    assert quant.dequantized_nbytes(q.meta) == out.numel() * out.element_size()
     got = quant.dequantize(q.data, q.absmax, q.meta, out)
     assert got.data_ptr() == out.data_ptr() and got.shape == (6, 130)
     assert torch.equal(got, quant.dequantize(q.data, q.absmax, q.meta))

@@ -275,6 +275,12 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     return out.view(shape)
 
 
+def dequantized_nbytes(meta: dict) -> int:
+    """Bytes `dequantize` returns for this (checked) meta: what a caller's `out` buffer must hold."""
+    _, _, shape, dtype = _parse_meta(meta)
+    return math.prod(shape) * dtype.itemsize
+
+
 def _torch_dequantize(data: torch.Tensor, absmax: torch.Tensor, method: str, blocksize: int, out: torch.Tensor) -> None:
     """Flat dequantized values into `out`: one table lookup per 2-byte word, then a per-block scale."""
     per_byte = _CODES_PER_BYTE[method]

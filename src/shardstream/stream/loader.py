@@ -289,10 +289,7 @@ class BlockLoader:
 
 def _decoded_bytes(record: TensorRecord) -> int:
     """Bytes a quantized tensor takes dequantized, rounded up to a cache line (0 when not quantized)."""
-    if not record.quant:
-        return 0
-    meta = record.quant
-    return -(-math.prod(meta["shape"]) * quant.DTYPES[meta["dtype"]].itemsize // 64) * 64
+    return -(-quant.dequantized_nbytes(record.quant) // 64) * 64 if record.quant else 0
 
 
 def _layout(store: Store, names: list[str]) -> Layout:
