@@ -215,8 +215,12 @@ def test_a_streamed_stage_of_a_quantized_store_reuses_its_buffers(tmp_path, monk
     assert streamed.streamed_blocks == list(range(n))
     into = []   # per dequantization while streaming: was it given a buffer to write into?
     real_dequantize = quant.dequantize
-    monkeypatch.setattr(quant, "dequantize", lambda *args, **kwargs: (
-        into.append((args[3:] or [kwargs.get("out")])[0] is not None), real_dequantize(*args, **kwargs))[1])
+
+    def recording(data, absmax, meta, out=None):
+        into.append(out is not None)
+        return real_dequantize(data, absmax, meta, out)
+
+    monkeypatch.setattr(quant, "dequantize", recording)
     tokens = _greedy([streamed], PROMPT[0].tolist(), 8)
     assert into and all(into)
     assert tokens == _greedy([in_memory], PROMPT[0].tolist(), 8)
