@@ -21,6 +21,7 @@ from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedM
 from ..store import Store
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader
+from .linear import use_few_rows_linear
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .blocks import StreamedBlocks, fill_block
@@ -41,6 +42,7 @@ def build_meta_model(store: Store, dtype: torch.dtype | None) -> PreTrainedModel
             f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
             f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
         ) from None
+    use_few_rows_linear(model)
     return model.eval()
 
 

@@ -1,0 +1,41 @@
+"""Linear layers for a few rows at a time on CPU: the same product, computed as W @ xᵀ.
+
+A batch's decode step multiplies every weight matrix by a handful of rows (one per sequence, or the
+k + 1 tokens a speculative pass checks). MKL's sgemm for `x @ Wᵀ` with 2 to about 100 rows repacks
+the whole weight matrix on every call; `W @ xᵀ` streams it once. Measured on 2 cores, the 16 blocks
+of the reference model (hidden 1024, intermediate 2816, weights fresh from memory), per pass:
+2 rows 0.085 -> 0.042 s, 8 rows 0.095 -> 0.079 s, 32 rows 0.153 -> 0.119 s, 128 rows 0.371 -> 0.345 s;
+256 rows even, 512 rows 4% slower, so larger products (a prefill) keep `F.linear`. One row is a
+matrix-vector product either way and keeps `F.linear`. The sums are the same dot products: equal
+bit for bit from about 10 rows here, within rounding (~1e-6) below, as a batch already differs
+from a row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEW_ROWS = range(2, 129)
+
+
+class FewRowsLinear(nn.Linear):
+    """`nn.Linear` whose float32 CPU products of 2-128 rows run as W @ xᵀ (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows not in FEW_ROWS or weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu":
+            return F.linear(x, weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1]).t()
+        out = torch.mm(weight, flat) if self.bias is None else torch.addmm(self.bias.unsqueeze(1), weight, flat)
+        return out.t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def use_few_rows_linear(model: nn.Module) -> None:
+    """Turn every plain `nn.Linear` of `model` into a FewRowsLinear (same parameters, same module tree;
+    subclasses such as quantized layers are left alone)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FewRowsLinear
