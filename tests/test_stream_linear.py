@@ -1,6 +1,6 @@
 """Linear layers for a few rows (stream/linear.py): the same values as `F.linear`, W @ xᵀ only where it
-is faster (2-128 float32 rows on CPU), and every plain Linear of a streaming model or a pipeline stage
-uses it while other layer types are left alone."""
+is faster (2-128 float32 rows on CPU), and every plain Linear of a streaming model uses it while other
+layer types are left alone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardstream.convert import convert
-from shardstream.pipeline.stage import _stage_meta_model
-from shardstream.store import open_store
 from shardstream.stream import AutoModel, linear
 from shardstream.stream.linear import FewRowsLinear, use_few_rows_linear
 from tiny_models import save_checkpoint
@@ -80,14 +78,11 @@ def test_only_plain_linears_are_turned(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_streaming_models_and_stages_use_it(tmp_path, family):
-    """Every plain Linear of a streaming model and of a pipeline stage (GPT-2's Conv1D projections are
-    not Linears and stay as they are; its head is one)."""
+def test_streaming_models_use_it(tmp_path, family):
+    """Every plain Linear of a streaming model (GPT-2's Conv1D projections are not Linears and stay as
+    they are; its head is one)."""
     save_checkpoint(family, tmp_path / "ckpt")
     convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
     with AutoModel.from_pretrained(tmp_path / "store", max_resident_memory=0, progress=False) as model:
         linears = [m for m in model.model.modules() if isinstance(m, nn.Linear)]
         assert linears and all(type(m) is FewRowsLinear for m in linears)
-    stage = _stage_meta_model(open_store(tmp_path / "store"), 0, 1)
-    linears = [m for m in stage.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is FewRowsLinear for m in linears)

@@ -11,6 +11,7 @@ routers and q/k norms (at most 512 bytes here) stay in piece 0, as they do at fu
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -189,3 +190,41 @@ def test_a_batch_engines_model_streams_smaller_pieces(tmp_path, monkeypatch):
         with open_model(str(store.root), None, "0", "cpu", progress=False, batch_size=batch_size) as model:
             counts[batch_size] = {len(p) for p in model.pieces.values()}
     assert counts == {1: {3}, 4: {8}}   # piece 0, attention's Linears, the MLP's; or piece 0 and each Linear
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monkeypatch, mode):
+    """A pass of COMPUTE_BOUND_ROWS token rows or more dequantizes its quantized pieces where it computes,
+    a smaller one on the readers; both give the same logits, mapped and O_DIRECT, and every buffer of
+    a deferred piece still goes back to the pool (the count stays at the pieces in flight)."""
+    from shardstream import quant
+    from shardstream.stream import model as streaming
+
+    _, store = _store(tmp_path, compression="4bit")
+    monkeypatch.setenv(ENV, mode)
+    threads: list[str] = []
+    real = quant.dequantize
+
+    def dequantize(data, absmax, meta, out=None):
+        threads.append(threading.current_thread().name)
+        return real(data, absmax, meta, out)
+
+    monkeypatch.setattr(quant, "dequantize", dequantize)
+    many = IDS.repeat(2, 2)   # 4 x 12 = 48 rows
+    assert many.numel() >= streaming.COMPUTE_BOUND_ROWS > IDS[:1, :1].numel()
+    with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():
+        # the pieces read ahead during a pass are decoded as that pass decided, so each kind runs twice
+        for ids, where in [(many, threading.current_thread().name), (IDS[:1, :1], "shardstream-prefetch")] * 2:
+            model(ids)
+            threads.clear()
+            model(ids)
+            assert threads and set(threads) == {where}
+        deferred = model(many).logits
+        allocated = model._loader._pool.allocated
+        monkeypatch.setattr(streaming, "COMPUTE_BOUND_ROWS", 10 ** 6)
+        model(many)
+        threads.clear()
+        in_readers = model(many).logits
+        assert threads and set(threads) == {"shardstream-prefetch"}
+        assert model._loader._pool.allocated == allocated
+    assert torch.equal(deferred, in_readers)

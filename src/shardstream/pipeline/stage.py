@@ -32,7 +32,6 @@ from ..store.sharding import load_index
 from ..store import Store
 from ..stream.blocks import StreamedBlocks
 from ..stream.experts import ExpertlessLoader, OnDemandExperts
-from ..stream.linear import use_few_rows_linear
 from ..stream.loader import BlockLoader, LoadedBlock
 from ..stream.model import common_module, config_dtype, build_meta_model
 from ..stream.pieces import whole
@@ -278,7 +277,6 @@ def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:
         config.layer_types = list(config.layer_types[first:last])
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=config_dtype(config))
-    use_few_rows_linear(model)
     return model.eval()
 
 

@@ -37,6 +37,7 @@ class LoadedBlock:
     buffers: list = field(default_factory=list)  # O_DIRECT buffers, back to `pool` when the block is released
     pool: BufferPool | None = None
     piece: int = 0
+    decode: Callable[[], dict[str, torch.Tensor]] | None = None  # left by the reader: run by `wait`, on the CPU
 
     def cool(self) -> None:
         """The block has run: its pages are the first the kernel should reclaim (see mapped.cool), its
@@ -46,7 +47,11 @@ class LoadedBlock:
             self.pool.give(self.buffers)
 
     def wait(self) -> None:
-        """Make the compute stream wait for the copy; the caching allocator must not reuse the memory early."""
+        """Make the parameters usable: dequantize what the reader left to the computing thread, or make
+        the compute stream wait for the copy (the caching allocator must not reuse the memory early)."""
+        if self.decode is not None:
+            decode, self.decode = self.decode, None
+            self.params = decode()
         if self.ready is None:
             return
         stream = torch.cuda.current_stream()
@@ -73,6 +78,9 @@ class BlockLoader:
     size for every piece (two sizes: held-through pieces 0, the rest), so any free buffer fits the
     next piece and the pool never holds more than the pieces in flight. The first piece read of a
     block hashes the block's whole files first, through a small buffer.
+
+    A quantized piece is dequantized by the reader while `decode_in_reader` holds, else by the thread
+    that computes with it (`LoadedBlock.wait`); the model sets it per pass (see model.COMPUTE_BOUND_ROWS).
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
@@ -93,6 +101,7 @@ class BlockLoader:
         self._capacity: dict[tuple[int, int], int] = {}   # bytes of a piece's read buffer
         self._decoded: dict[tuple[int, int], int] = {}    # bytes of its dequantized tensors' buffer (0: none)
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
+        self.decode_in_reader = True
         files = self.store.manifest.files
         self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
                                     if p.startswith("mid/") for f in rec.files), default=0)
@@ -214,11 +223,22 @@ class BlockLoader:
             if located is None:
                 mapped = map_ranges(self.store, names, mappings)
                 located = lambda file_name, offset: (mapped[file_name], offset)  # noqa: E731
-            params = self.mapper.convert(self._decode(key, names, located, buffers))
+
+            def decode() -> dict[str, torch.Tensor]:
+                try:
+                    return self.mapper.convert(self._decode(key, names, located, buffers))
+                except BaseException:
+                    self._pool.give(buffers)
+                    buffers.clear()
+                    raise
+
+            if self.decode_in_reader or not self._decoded.get(key) or self._copy_stream is not None:
+                item = self.to_device(index, decode())
+            else:
+                item = LoadedBlock(index, {}, 0.0, decode=decode)
         except BaseException:
             self._pool.give(buffers)
             raise
-        item = self.to_device(index, params)
         item.piece = piece
         item.mappings, item.buffers, item.pool = mappings, buffers, self._pool
         item.read_seconds = time.perf_counter() - started
