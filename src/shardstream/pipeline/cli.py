@@ -33,12 +33,12 @@ def agent_command(
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
     import signal
-    import socket
 
     import uvicorn
     import zmq
 
     from ..atomic import write_json_atomic
+    from ..listener import tcp_listener
     from ..sizes import parse_size
     from .agent import Agent, create_agent_app
     from .local import follow_parent
@@ -53,10 +53,8 @@ def agent_command(
         import torch
 
         torch.set_num_threads(threads)
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))
+        listener = tcp_listener(host, port)
     except OSError as error:
         raise InvalidOption(f"the agent cannot listen on {host}:{port} ({error.strerror}); pick another --port.") from None
     if data_port is None:   # --port 0 asks for free ports: the data port too, not the bound port + 1

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
+from ..listener import tcp_listener
 from .cli import Device, Source, StorePath, open_model
 
 def serve_command(
@@ -97,13 +98,9 @@ def _server_class():
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))
+        listener = tcp_listener(host, port)
     except OSError as error:
-        listener.close()
         raise InvalidOption(f"cannot listen on {host}:{port} ({error.strerror}); stop what uses that port or "
                             "choose another --port.") from None
     listener.listen(2048)
