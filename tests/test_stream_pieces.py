@@ -228,3 +228,37 @@ def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monk
         assert threads and set(threads) == {"shardstream-prefetch"}
         assert model._loader._pool.allocated == allocated
     assert torch.equal(deferred, in_readers)
+
+
+def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_back(tmp_path, monkeypatch):
+    """An error while a compute-bound pass dequantizes a piece reaches the caller, and the piece goes
+    back as a failed read does (its buffers to the pool, its slot to the readers): only the pieces of the
+    block the pass stopped in stay handed out (until the next pass empties it, as for any aborted pass),
+    and the next pass gives the same logits with no more buffers."""
+    from shardstream import quant
+
+    _, store = _store(tmp_path, compression="4bit")
+    monkeypatch.setenv(ENV, "on")
+    many = IDS.repeat(2, 2)
+    with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():
+        model(many)
+        want = model(many).logits
+        allocated = model._loader._pool.allocated
+        real, failures = quant.dequantize, []
+
+        def dequantize(data, absmax, meta, out=None):
+            if not failures and threading.current_thread() is threading.main_thread():
+                failures.append(meta)
+                raise OSError("injected")
+            return real(data, absmax, meta, out)
+
+        monkeypatch.setattr(quant, "dequantize", dequantize)
+        with pytest.raises(OSError, match="injected"):
+            model(many)
+        streaming = model._streaming   # handed out now: only the pieces of the block left in place
+        in_place = {(streaming._block[0], i) for i in streaming._held} if streaming._block else set()
+        assert failures and set(streaming._source._out.values()) == in_place
+        model(many)
+        assert torch.equal(model(many).logits, want)
+        assert model._streaming._source._out == {}
+        assert model._loader._pool.allocated <= allocated

@@ -75,7 +75,11 @@ class StreamedBlocks:
         if self.order is None:
             self._learn((k, i))
         item, waited = self._source.get((k, i))
-        fill_block(self._slots[k], item)
+        try:
+            fill_block(self._slots[k], item)   # may dequantize here (loader.py: decode_in_reader)
+        except BaseException:
+            self._source.release(item)   # its buffers and its reader's slot, as a read that failed gives back
+            raise
         if i == 0:
             self._block = [k, time.perf_counter(), 0.0, 0.0]
         self._held[i] = (self.pieces[k][i], item)

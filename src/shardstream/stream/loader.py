@@ -225,12 +225,7 @@ class BlockLoader:
                 located = lambda file_name, offset: (mapped[file_name], offset)  # noqa: E731
 
             def decode() -> dict[str, torch.Tensor]:
-                try:
-                    return self.mapper.convert(self._decode(key, names, located, buffers))
-                except BaseException:
-                    self._pool.give(buffers)
-                    buffers.clear()
-                    raise
+                return self.mapper.convert(self._decode(key, names, located, buffers))
 
             if self.decode_in_reader or not self._decoded.get(key) or self._copy_stream is not None:
                 item = self.to_device(index, decode())
