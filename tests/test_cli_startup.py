@@ -85,3 +85,22 @@ def test_unknown_device_is_one_sentence(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and "--device 'tpu'" in result.stderr and "cpu, cuda" in result.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_the_command_gives_torch_huge_pages_for_large_tensors_unless_the_user_says_otherwise():
+    """main() sets THP_MEM_ALLOC_ENABLE before torch loads; torch then advises huge pages on a 64 MiB
+    tensor (seen in /proc/self/smaps where the kernel allows them). A user's own value is kept."""
+    probe = ("import os, sys; from shardstream.cli import use_huge_pages_for_tensors; use_huge_pages_for_tensors(); "
+             "import torch; t = torch.ones(16 << 20); "
+             "huge = sum(int(l.split()[1]) for l in open('/proc/self/smaps') if l.startswith('AnonHugePages')); "
+             "print(os.environ['THP_MEM_ALLOC_ENABLE'], huge > 0)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, check=True)
+    mode_file = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = mode_file.read_text() if mode_file.exists() else "[never]"
+    assert result.stdout.split() == ["1", str("[never]" not in mode)]
+    kept = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**env, "THP_MEM_ALLOC_ENABLE": "0"}, check=True)
+    assert kept.stdout.split()[0] == "0"
+    if "[madvise]" in mode:   # huge pages only where asked for: none without the setting
+        assert kept.stdout.split()[1] == "False"
