@@ -14,7 +14,7 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
-from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
 from tiny_models import save_checkpoint, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
@@ -85,7 +85,8 @@ def test_sliding_window_attention_stays_exact_with_padding_and_chunks():
     config.sliding_window = 4
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).eval()
-    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=3) as engine:
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=3,
+                     idle_prefill_tokens=3) as engine:
         prompts = [_prompt(n, n) for n in (3, 9, 6)]
         sequences = [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         for prompt, sequence in zip(prompts, sequences):
@@ -106,7 +107,7 @@ def test_one_pass_over_the_blocks_serves_the_whole_batch(llama):
 
 def test_logprobs_and_prompt_logprobs_equal_log_softmax_of_the_reference(llama):
     reference, model = llama
-    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=5) as engine:
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=5, idle_prefill_tokens=5) as engine:
         prompt = _prompt(9, 7)
         other = engine.submit(_prompt(4, 8), SamplingParams(max_new_tokens=3))   # padding beside it
         sequence = engine.submit(prompt, SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=True))
@@ -185,6 +186,53 @@ def test_a_long_prefill_is_chunked_between_the_decode_steps_of_the_others():
         list(newcomer)
         assert running.done  # its 20th token came before the newcomer's first
         assert len(_tokens(running)[0]) == 19
+
+
+def _prefill_passes(engine: BatchEngine) -> list[tuple[int, int]]:
+    """Watch the engine's passes: (rows, columns) of each prefill pass (more than one column, or the first)."""
+    shapes: list[tuple[int, int]] = []
+    forward = engine._forward
+
+    def watched(ids, *args):
+        shapes.append(tuple(ids.shape))
+        return forward(ids, *args)
+
+    engine._forward = watched
+    return shapes
+
+
+def test_an_idle_engine_prefills_a_burst_in_one_pass_and_chunks_beside_decoding():
+    """Nothing decoding: 4 prompts of 10 tokens in one pass, not 5 chunks of 8 tokens; with a sequence
+    decoding, the newcomer's 10 tokens go in chunks of 8 (4 rows x 2 columns would stall it longer)."""
+    reference = tiny_model("llama")
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8) as engine:
+        passes = _prefill_passes(engine)
+        burst = [engine.submit(_prompt(10, i), SamplingParams(max_new_tokens=3)) for i in range(4)]
+        assert [_tokens(s)[0] for s in burst] == [_alone(reference, _prompt(10, i), 3) for i in range(4)]
+        assert passes[0] == (4, 10) and len(passes) == 3   # one prefill pass, two decode steps
+        passes.clear()
+        running = engine.submit(_prompt(4, 9), SamplingParams(max_new_tokens=12))
+        next(iter(running))
+        newcomer = engine.submit(_prompt(10, 8), SamplingParams(max_new_tokens=2))
+        assert _tokens(newcomer)[0] == _alone(reference, _prompt(10, 8), 2)
+        assert [shape for shape in passes if shape[0] == 1 and shape[1] > 1] == [(1, 4), (1, 8), (1, 2)]
+
+
+def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
+    """The memory left holds the chunked prefill's temporaries but not one pass's: chunked, all admitted."""
+    _, model = llama
+    prompts = [_prompt(40, i) for i in range(4)]
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8) as engine:
+        unsent = [open_sequence(p, SamplingParams(max_new_tokens=2), 128, "cpu", lambda: None) for p in prompts]
+        one_pass = engine._needs(unsent, engine.idle_prefill_tokens)[1]
+        chunked = engine._needs(unsent, engine.prefill_chunk_tokens)[1]
+        assert chunked < one_pass
+        engine._room = lambda: (chunked + one_pass) // 2   # the memory the machine has left, as measured
+        passes = _prefill_passes(engine)
+        group = [engine.submit(p, SamplingParams(max_new_tokens=2)) for p in prompts]
+        for sequence in group:
+            assert len(_tokens(sequence)[0]) == 2
+        assert passes[:20] == [(4, 2)] * 20
 
 
 @pytest.mark.parametrize("options,bound", [(dict(max_batch_size=1), "max_batch_size=1"),

@@ -223,6 +223,7 @@ class _Prefill:
     ids: torch.Tensor            # (rows, longest prompt), left-padded
     mask: torch.Tensor
     cache: DynamicCache          # reserved for the longest prompt; widened or merged when the group joins
+    chunk_tokens: int            # prompt tokens per pass over all rows (see BatchEngine._admit)
     done_columns: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)   # kept only when prompt_logprobs is asked
 
@@ -231,18 +232,22 @@ class BatchEngine:
     """A background thread that steps all running sequences together, admitting new ones between steps.
 
     Each loop turn runs at most two passes over the blocks: one chunk (at most `prefill_chunk_tokens`
-    tokens) of the newcomers' prefill, then one decode step for every running sequence. Counters for
+    tokens) of the newcomers' prefill, then one decode step for every running sequence. With none
+    running there is no decoding for a prefill pass to stall, and a chunk may hold up to
+    `idle_prefill_tokens` (each pass is a whole weight read: 32 prompts of 32 tokens take one pass, not
+    two) when the memory left holds its temporaries. Counters for
     benchmarks: `forward_passes` (passes over the blocks = weight reads) and `tokens_generated`.
     A context manager: leaving it closes the engine.
     """
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
                  kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512,
-                 gather_seconds: float = 0.05):
+                 idle_prefill_tokens: int = 4096, gather_seconds: float = 0.05):
         if max_batch_size < 1:
             raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
-        if prefill_chunk_tokens < 1:
-            raise InvalidOption(f"prefill_chunk_tokens must be at least 1, not {prefill_chunk_tokens}.")
+        for name, tokens in (("prefill_chunk_tokens", prefill_chunk_tokens), ("idle_prefill_tokens", idle_prefill_tokens)):
+            if tokens < 1:
+                raise InvalidOption(f"{name} must be at least 1, not {tokens}.")
         if gather_seconds < 0:
             raise InvalidOption(f"gather_seconds must be 0 or more, not {gather_seconds}.")
         self.model = model
@@ -250,6 +255,7 @@ class BatchEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.idle_prefill_tokens = max(idle_prefill_tokens, prefill_chunk_tokens)
         self.gather_seconds = gather_seconds
         self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
         self.memory_bound = kv_cache_budget is not None   # "auto" or a number: admit only what memory holds
@@ -380,7 +386,7 @@ class BatchEngine:
                 sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
         self._keep_unfinished()
 
-    def _needs(self, group: list[Sequence]) -> tuple[int, int]:
+    def _needs(self, group: list[Sequence], chunk_tokens: int) -> tuple[int, int]:
         """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
         is allocated now, at the worst of three moments: the group's prefill passes (the running batch's
         reservation, the group's own and a prefill pass's activations), the merge (the merged reservation
@@ -392,7 +398,7 @@ class BatchEngine:
         row may still generate; that is what kvcache reserves."""
         shape, running = self.shape, len(self._running)
         longest = max(s.prompt_tokens for s in group)
-        passes, columns = prefill_passes(len(group), longest, self.prefill_chunk_tokens)
+        passes, columns = prefill_passes(len(group), longest, chunk_tokens)
         running_width = self._mask.shape[1] + passes if running else 0
         width = max(running_width, longest)
         remaining = max(_remaining(s) for s in [*self._running, *group])
@@ -412,8 +418,10 @@ class BatchEngine:
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
         which bound bit. A sequence that does not fit waits for running ones to finish; one alone is
-        always admitted, so that every request completes."""
+        always admitted, so that every request completes. With none running the group's prefill passes
+        may take `idle_prefill_tokens`, or `prefill_chunk_tokens` where only those fit."""
         group: list[Sequence] = []
+        chunk = self.prefill_chunk_tokens if self._running else self.idle_prefill_tokens
         bound, limit = None, None   # which bound bit (said once per change, not per step), and its details
         free = self._room() if self._waiting else None
         with self._condition:
@@ -422,7 +430,11 @@ class BatchEngine:
                     bound = limit = f"max_batch_size={self.max_batch_size}"
                     break
                 candidate = [*group, self._waiting[0]]
-                kv, needed = self._needs(candidate)
+                kv, needed = self._needs(candidate, chunk)
+                if free is not None and needed > free and chunk > self.prefill_chunk_tokens:
+                    smaller = self._needs(candidate, self.prefill_chunk_tokens)
+                    if smaller[1] <= free:
+                        chunk, (kv, needed) = self.prefill_chunk_tokens, smaller
                 alone = len(self._running) + len(candidate) == 1
                 if not alone and self.kv_cache_budget is not None and kv > self.kv_cache_budget:
                     bound = limit = f"the KV-cache budget of {self.kv_cache_budget} bytes"
@@ -452,7 +464,7 @@ class BatchEngine:
         # the prompts only: widened for the tokens to come once prefilled (see _prefill_step), so that the
         # prefill's activations and the whole batch's widest cache are never in memory together
         cache = kvcache.reserved_cache(longest)
-        return _Prefill(group, ids.to(self.device), mask.to(self.device), cache)
+        return _Prefill(group, ids.to(self.device), mask.to(self.device), cache, chunk)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
         """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
@@ -466,7 +478,7 @@ class BatchEngine:
         group = self._prefill
         rows = len(group.sequences)
         start = group.done_columns
-        end = min(group.ids.shape[1], start + max(1, self.prefill_chunk_tokens // rows))
+        end = min(group.ids.shape[1], start + max(1, group.chunk_tokens // rows))
         echo = any(s.params.prompt_logprobs for s in group.sequences)
         logits = self._forward(group.ids[:, start:end], group.mask[:, :end], group.cache, echo)
         group.done_columns = end
