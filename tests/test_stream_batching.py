@@ -219,7 +219,8 @@ def test_an_idle_engine_prefills_a_burst_in_one_pass_and_chunks_beside_decoding(
 
 
 def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
-    """The memory left holds the chunked prefill's temporaries but not one pass's: chunked, all admitted."""
+    """The memory left holds the chunked prefill's temporaries but not one pass's: chunked, all admitted;
+    a sequence alone that fits neither way goes in chunks too."""
     _, model = llama
     prompts = [_prompt(40, i) for i in range(4)]
     with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8) as engine:
@@ -233,6 +234,12 @@ def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
         for sequence in group:
             assert len(_tokens(sequence)[0]) == 2
         assert passes[:20] == [(4, 2)] * 20
+        # one sequence alone fitting neither way is still admitted, in the chunks that need the least
+        alone = engine._needs(unsent[:1], engine.prefill_chunk_tokens)[1]
+        engine._room = lambda: alone // 2
+        passes.clear()
+        assert len(_tokens(engine.submit(prompts[0], SamplingParams(max_new_tokens=2)))[0]) == 2
+        assert passes[:5] == [(1, 8)] * 5
 
 
 @pytest.mark.parametrize("options,bound", [(dict(max_batch_size=1), "max_batch_size=1"),

@@ -433,7 +433,7 @@ class BatchEngine:
                 kv, needed = self._needs(candidate, chunk)
                 if free is not None and needed > free and chunk > self.prefill_chunk_tokens:
                     smaller = self._needs(candidate, self.prefill_chunk_tokens)
-                    if smaller[1] <= free:
+                    if smaller[1] <= free or not group:   # it fits chunked; or it goes alone: the least memory
                         chunk, (kv, needed) = self.prefill_chunk_tokens, smaller
                 alone = len(self._running) + len(candidate) == 1
                 if not alone and self.kv_cache_budget is not None and kv > self.kv_cache_budget:
