@@ -40,6 +40,7 @@ class Shape:
     kv_per_token: int    # keys and values of one token over all layers, bytes
     element: int         # bytes per activation element
     kv_heads: int        # fewer than heads (grouped-query attention): attention may repeat a layer's keys and values
+    experts_per_token: int = 0   # a mixture of experts' top k (0: a dense MLP)
 
     @classmethod
     def of(cls, config, dtype: torch.dtype) -> Shape:
@@ -54,16 +55,24 @@ class Shape:
         return cls(layers=text.num_hidden_layers, hidden=max(text.hidden_size, heads * head_dim),
                    intermediate=intermediate, heads=heads, vocab=text.vocab_size,
                    kv_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element, element=element,
-                   kv_heads=kv_heads)
+                   kv_heads=kv_heads, experts_per_token=getattr(text, "num_experts_per_tok", None) or 0)
 
     def pass_bytes(self, rows: int, new_columns: int, width: int, logit_columns: int) -> int:
-        """Peak temporaries of one pass over the blocks: per new token the hidden-sized states (residual,
-        norm, q/k/v, attention and MLP outputs: 9) and the MLP's intermediate ones (gate, up, product: 4),
-        the attention scores and their softmax, one layer's keys and values repeated for grouped heads
-        (the reserved cache itself is written in place, see kvcache.py), and the logits kept, with their
-        float and log-softmax copies."""
+        """Peak temporaries of one pass over the blocks: per new token 6 hidden-sized states (residual,
+        norm, attention input and output, a projection, a rotary or norm temporary) and 4 of the MLP's
+        intermediate size (a fused gate_up is two, then the activation and the product; a mixture of
+        experts runs each of its top k experts on a gathered copy of the token, with that copy and its
+        output besides), the attention scores and their softmax, one layer's keys and values repeated for
+        grouped heads (the reserved cache itself is written in place, see kvcache.py), and the logits
+        kept, with their float and log-softmax copies; times SAFETY. tests/test_stream_admission.py
+        measures every family's real peak against it (hidden 256, 1,024 tokens: 10-17 MiB for the dense
+        families against 19-21 counted, GPT-2 21-22 against 29, Mixtral 20-24 against 31); the reference
+        model's 1,024-token prefill took 56 MiB and is counted 90 MiB. Counting 9 hidden-sized states for
+        every family, as before, counted it 105 MiB and Mixtral's passes under their real peak."""
         tokens = rows * new_columns
-        per_token = (9 * self.hidden + 4 * self.intermediate) * self.element
+        mlp = (self.experts_per_token * (4 * self.intermediate + 2 * self.hidden) if self.experts_per_token
+               else 4 * self.intermediate)
+        per_token = (6 * self.hidden + mlp) * self.element
         scores = 2 * rows * self.heads * new_columns * width * self.element
         repeated = self.heads // self.kv_heads if self.kv_heads < self.heads else 0
         layer_kv = rows * width * self.kv_per_token // self.layers * repeated
