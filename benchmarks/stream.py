@@ -12,14 +12,16 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   cache. Shardstream with O_DIRECT (its choice under the cap) and through the page cache, accelerate
   disk offload, and AirLLM 4.0 when `--airllm` names the python of its own venv.
 - serve: N concurrent greedy requests (`--batches`) to one capped `shardstream serve
-  --max-batch-size`, aggregate completion tokens / wall time.
+  --max-batch-size`, aggregate completion tokens / wall time, after one untimed request.
 - offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
+  Both run every size once per round (`--rounds`), the sizes alternating, and report each size's
+  median round: on a machine whose speed drifts, ratios of sizes measured minutes apart mislead.
 - quant4: serve and offline on a 4-bit store of the same checkpoint.
 - speculative: `generate --prompt` plain and with `--draft`, on the demo pair with its target widened to
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
   computes the target's own function).
 
-Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4] [--repeat 3]` (root, for memcap).
+Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4] [--repeat 3] [--rounds 3]` (root, for memcap).
 """
 
 from __future__ import annotations
@@ -234,7 +236,10 @@ def post(url: str, body: dict, timeout: float) -> dict:
 
 
 def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
-    """Aggregate decode tok/s of N concurrent greedy requests against one capped `shardstream serve`."""
+    """Aggregate decode tok/s of N concurrent greedy requests against one capped `shardstream serve`, each
+    size measured once per round (`--rounds`), the sizes alternating within a round. One untimed request
+    goes first: the first after start ran 15-25% slower than the next ones (measured: 3.0-3.4 s against
+    2.5-2.6 s for 16 tokens on the 4-bit store), and a ratio against it would flatter the batch."""
     import socket
     import urllib.request
 
@@ -246,7 +251,40 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
     log = Path(args.workdir) / f"serve-{store.parent.name}-{store.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
-    base, results, seen = f"http://127.0.0.1:{port}", {}, 0
+    base, seen = f"http://127.0.0.1:{port}", 0
+    runs: dict[int, list[dict | str]] = {n: [] for n in sizes}
+
+    def measure(n: int) -> dict | str:
+        nonlocal seen
+        replies: list = [None] * n
+
+        def ask(i: int, text: str) -> None:
+            try:
+                replies[i] = post(base + "/v1/completions", {"prompt": text, "max_tokens": args.new_tokens,
+                                                             "temperature": 0}, timeout=args.timeout)
+            except Exception as error:  # reported in the table
+                replies[i] = str(error)
+
+        threads = [threading.Thread(target=ask, args=(i, t)) for i, t in enumerate(prompts(n, args.prompt))]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+        failed = [r for r in replies if not isinstance(r, dict)]
+        tokens = sum(r["usage"]["completion_tokens"] for r in replies if isinstance(r, dict))
+        result = f"{len(failed)} failed: {failed[0][:100]}" if failed else {"tokens": tokens, "seconds": elapsed,
+                                                                          "tok_s": tokens / elapsed}
+        lines = log.read_text().splitlines()
+        bound, seen = batch_bound(lines[seen:]), len(lines)
+        if isinstance(result, dict):
+            result["bound"] = bound
+        elif server.poll() is not None:
+            result = "server killed (out of memory)" if server.returncode in (-9, 137) else result
+        print(f"serve {n}: {result}", file=sys.stderr, flush=True)
+        return result
+
     try:
         deadline = time.time() + 300
         while True:
@@ -257,41 +295,27 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
                 if server.poll() is not None or time.time() > deadline:
                     return {n: f"server did not start: {log.read_text()[-200:]}" for n in sizes}
                 time.sleep(1)
-        for n in sizes:
-            replies: list = [None] * n
-
-            def ask(i: int, text: str) -> None:
-                try:
-                    replies[i] = post(base + "/v1/completions", {"prompt": text, "max_tokens": args.new_tokens,
-                                                                 "temperature": 0}, timeout=args.timeout)
-                except Exception as error:  # reported in the table
-                    replies[i] = str(error)
-
-            threads = [threading.Thread(target=ask, args=(i, t)) for i, t in enumerate(prompts(n, args.prompt))]
-            started = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            elapsed = time.perf_counter() - started
-            failed = [r for r in replies if not isinstance(r, dict)]
-            tokens = sum(r["usage"]["completion_tokens"] for r in replies if isinstance(r, dict))
-            results[n] = f"{len(failed)} failed: {failed[0][:100]}" if failed else {"tokens": tokens, "seconds": elapsed,
-                                                                                  "tok_s": tokens / elapsed}
-            lines = log.read_text().splitlines()
-            bound, seen = batch_bound(lines[seen:]), len(lines)
-            if isinstance(results[n], dict):
-                results[n]["bound"] = bound
-            elif server.poll() is not None:
-                results[n] = "server killed (out of memory)" if server.returncode in (-9, 137) else results[n]
-            print(f"serve {n}: {results[n]}", file=sys.stderr, flush=True)
+        print("serve warm-up:", file=sys.stderr, flush=True)
+        measure(1)
+        for _ in range(args.rounds):
+            for n in sizes:
+                runs[n].append(measure(n))
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    return results
+    return {n: median_round(measured) for n, measured in runs.items()}
+
+
+def median_round(measured: list[dict | str]) -> dict | str:
+    """The round of median tok/s, with every round's tok/s beside it; the first failure if any round failed."""
+    failed = [m for m in measured if not isinstance(m, dict)]
+    if failed or not measured:
+        return failed[0] if failed else "not run"
+    ordered = sorted(measured, key=lambda m: m["tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": [m["tok_s"] for m in measured]}
 
 
 def batch_bound(lines: list[str]) -> str:
@@ -305,33 +329,38 @@ def batch_bound(lines: list[str]) -> str:
 
 
 def offline_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
-    """tok/s of `shardstream generate --prompts-file` with --batch-size N and N prompts (load time included)."""
-    results = {}
-    for n in sizes:
-        work = Path(args.workdir) / f"offline-{store.name}-{n}"
-        work.mkdir(parents=True, exist_ok=True)
-        (work / "prompts.txt").write_text("\n".join(prompts(n, args.prompt)) + "\n")
-        (work / "answers.jsonl").unlink(missing_ok=True)
-        command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"),
-                   "generate", str(store), "--prompts-file", str(work / "prompts.txt"), "--output",
-                   str(work / "answers.jsonl"), "--batch-size", str(n), "--max-new-tokens", str(args.new_tokens),
-                   "--no-progress"]
-        started = time.perf_counter()
-        try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            results[n] = f"timeout ({args.timeout} s)"
-            continue
-        elapsed = time.perf_counter() - started
-        if run.returncode:
-            results[n] = f"failed: {run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else run.returncode}"
-            continue
-        answers = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines() if line.strip()]
-        tokens = sum(next((a[k] for k in ("completion_tokens", "new_tokens", "generated_tokens") if k in a), 0)
-                     for a in answers)
-        results[n] = {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
-        print(f"offline {n}: {results[n]}", file=sys.stderr, flush=True)
-    return results
+    """tok/s of `shardstream generate --prompts-file` with --batch-size N and N prompts (load time included),
+    each size run once per round (`--rounds`), the sizes alternating within a round; the median round."""
+    runs: dict[int, list[dict | str]] = {n: [] for n in sizes}
+    for _ in range(args.rounds):
+        for n in sizes:
+            runs[n].append(offline_run(args, store, cap, n))
+    return {n: median_round(measured) for n, measured in runs.items()}
+
+
+def offline_run(args, store: Path, cap: str, n: int) -> dict | str:
+    work = Path(args.workdir) / f"offline-{store.name}-{n}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "prompts.txt").write_text("\n".join(prompts(n, args.prompt)) + "\n")
+    (work / "answers.jsonl").unlink(missing_ok=True)
+    command = [str(MEMCAP), cap, "--cold", str(store), "--", str(Path(sys.executable).parent / "shardstream"),
+               "generate", str(store), "--prompts-file", str(work / "prompts.txt"), "--output",
+               str(work / "answers.jsonl"), "--batch-size", str(n), "--max-new-tokens", str(args.new_tokens),
+               "--no-progress"]
+    started = time.perf_counter()
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"timeout ({args.timeout} s)"
+    elapsed = time.perf_counter() - started
+    if run.returncode:
+        return f"failed: {run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else run.returncode}"
+    answers = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines() if line.strip()]
+    tokens = sum(next((a[k] for k in ("completion_tokens", "new_tokens", "generated_tokens") if k in a), 0)
+                 for a in answers)
+    result = {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+    print(f"offline {n}: {result}", file=sys.stderr, flush=True)
+    return result
 
 
 def throughput_table(title: str, results: dict[str, dict[int, dict | str]], sizes: list[int]) -> str:
@@ -344,7 +373,9 @@ def throughput_table(title: str, results: dict[str, dict[int, dict | str]], size
             if isinstance(result, dict):
                 ratio = f" ({result['tok_s'] / one['tok_s']:.1f}x)" if isinstance(one, dict) and one["tok_s"] else ""
                 bound = f", batch bound: {result['bound']}" if result.get("bound", "none") != "none" else ""
-                row.append(f"{result['tok_s']:.2f}{ratio}{bound}")
+                spread = (f"; rounds {'/'.join(f'{r:.1f}' for r in result['rounds'])}"
+                          if len(result.get("rounds", [])) > 1 else "")
+                row.append(f"{result['tok_s']:.2f}{ratio}{bound}{spread}")
             else:
                 row.append(result or "not run")
         rows.append(row)
@@ -479,6 +510,8 @@ def main() -> None:
     parser.add_argument("--modes", default="stream,resident,resident-mapped,accelerate",
                         help=f"single-stream settings, comma-separated, from {', '.join(NAMES)}")
     parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve/offline: rounds of every batch size, alternating; each size's median round is reported")
     parser.add_argument("--batches", default="1,2,4,8,16,32", help="concurrent requests / batch sizes")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for one child run or one batch")
     parser.add_argument("--draft-tokens", default="8", help="speculative: fixed draft lengths to run besides the default")
