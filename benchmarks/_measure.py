@@ -144,6 +144,22 @@ def cpu_model() -> str:
     return platform.machine()
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (the `cpu` line of /proc/stat), or [] where there is none."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def stolen_share(before: list[int], after: list[int]) -> float:
+    """Share of CPU time the hypervisor gave to other guests between two `cpu_times()` (its 8th counter,
+    `steal`; 0 on bare metal): a compute-bound run slows by about that much, so runs with different
+    steal are not comparable."""
+    spent = [b - a for a, b in zip(before, after)]
+    return spent[7] / sum(spent) if len(spent) > 7 and sum(spent) else 0.0
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

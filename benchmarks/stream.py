@@ -16,6 +16,8 @@ Sections (`--sections`, so that a subset fits in the time at hand):
 - offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
   Both run every size once per round (`--rounds`), the sizes alternating, and report each size's
   median round: on a machine whose speed drifts, ratios of sizes measured minutes apart mislead.
+  Each cell also gives the CPU time the hypervisor gave to other guests during each round
+  (`steal` in /proc/stat, when 0.5% or more): a compute-bound batch slows by about that much.
 - quant4: serve and offline on a 4-bit store of the same checkpoint.
 - speculative: `generate --prompt` plain and with `--draft`, on the demo pair with its target widened to
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import cpu_model, evict, markdown_table  # noqa: E402
+from _measure import cpu_model, cpu_times, evict, markdown_table, stolen_share  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
@@ -266,7 +268,7 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
                 replies[i] = str(error)
 
         threads = [threading.Thread(target=ask, args=(i, t)) for i, t in enumerate(prompts(n, args.prompt))]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_times()
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -274,8 +276,8 @@ def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int,
         elapsed = time.perf_counter() - started
         failed = [r for r in replies if not isinstance(r, dict)]
         tokens = sum(r["usage"]["completion_tokens"] for r in replies if isinstance(r, dict))
-        result = f"{len(failed)} failed: {failed[0][:100]}" if failed else {"tokens": tokens, "seconds": elapsed,
-                                                                          "tok_s": tokens / elapsed}
+        result = f"{len(failed)} failed: {failed[0][:100]}" if failed else {
+            "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steal": stolen_share(cpu, cpu_times())}
         lines = log.read_text().splitlines()
         bound, seen = batch_bound(lines[seen:]), len(lines)
         if isinstance(result, dict):
@@ -315,7 +317,8 @@ def median_round(measured: list[dict | str]) -> dict | str:
     if failed or not measured:
         return failed[0] if failed else "not run"
     ordered = sorted(measured, key=lambda m: m["tok_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "rounds": [m["tok_s"] for m in measured]}
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": [m["tok_s"] for m in measured],
+            "steals": [m.get("steal", 0.0) for m in measured]}
 
 
 def batch_bound(lines: list[str]) -> str:
@@ -347,18 +350,19 @@ def offline_run(args, store: Path, cap: str, n: int) -> dict | str:
                "generate", str(store), "--prompts-file", str(work / "prompts.txt"), "--output",
                str(work / "answers.jsonl"), "--batch-size", str(n), "--max-new-tokens", str(args.new_tokens),
                "--no-progress"]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_times()
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return f"timeout ({args.timeout} s)"
+    steal = stolen_share(cpu, cpu_times())
     elapsed = time.perf_counter() - started
     if run.returncode:
         return f"failed: {run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else run.returncode}"
     answers = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines() if line.strip()]
     tokens = sum(next((a[k] for k in ("completion_tokens", "new_tokens", "generated_tokens") if k in a), 0)
                  for a in answers)
-    result = {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+    result = {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steal": steal}
     print(f"offline {n}: {result}", file=sys.stderr, flush=True)
     return result
 
@@ -375,6 +379,8 @@ def throughput_table(title: str, results: dict[str, dict[int, dict | str]], size
                 bound = f", batch bound: {result['bound']}" if result.get("bound", "none") != "none" else ""
                 spread = (f"; rounds {'/'.join(f'{r:.1f}' for r in result['rounds'])}"
                           if len(result.get("rounds", [])) > 1 else "")
+                steals = result.get("steals", [result.get("steal", 0.0)])
+                spread += f"; steal {'/'.join(f'{s:.0%}' for s in steals)}" if max(steals) >= 0.005 else ""
                 row.append(f"{result['tok_s']:.2f}{ratio}{bound}{spread}")
             else:
                 row.append(result or "not run")
