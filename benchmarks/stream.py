@@ -240,8 +240,8 @@ def post(url: str, body: dict, timeout: float) -> dict:
 def serve_throughput(args, store: Path, cap: str, sizes: list[int]) -> dict[int, dict | str]:
     """Aggregate decode tok/s of N concurrent greedy requests against one capped `shardstream serve`, each
     size measured once per round (`--rounds`), the sizes alternating within a round. One untimed request
-    goes first: the first after start ran 15-25% slower than the next ones (measured: 3.0-3.4 s against
-    2.5-2.6 s for 16 tokens on the 4-bit store), and a ratio against it would flatter the batch."""
+    goes first: the first after start was sometimes the slowest (3.0-3.4 s against 2.5-2.6 s for the
+    next ones, 16 tokens on the 4-bit store, in one probe), and a ratio against it flatters the batch."""
     import socket
     import urllib.request
 
