@@ -288,11 +288,13 @@ def test_a_killed_agent_is_detected_replanned_and_the_output_is_the_same(tiny, a
 
 
 def _restart(agent: LocalAgent, folder) -> LocalAgent:
-    """The same agent, started again at the same address (the fixture stops it at the end)."""
+    """The same agent, started again at the same address (the fixture stops it at the end). Its data port
+    is any free one, as when the fixture started it (the coordinator profiles a re-admitted agent again):
+    the default, the HTTP port + 1, was once in use already (a fresh clone's `make test`), and the restart failed."""
     ready = folder / f"{agent.name}.ready.json"
     process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", agent.name,
                                 "--token", TOKEN, "--host", "127.0.0.1", "--port", agent.url.rsplit(":", 1)[1],
-                                "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
+                                "--data-port", "0", "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
     client, deadline = AgentClient(agent.url, TOKEN), time.monotonic() + 180   # a loaded 2-core machine
     while not ready.exists() or not client.alive(timeout=1.0):
         assert process.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
