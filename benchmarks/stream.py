@@ -318,7 +318,7 @@ def median_round(measured: list[dict | str]) -> dict | str:
         return failed[0] if failed else "not run"
     ordered = sorted(measured, key=lambda m: m["tok_s"])
     return {**ordered[(len(ordered) - 1) // 2], "rounds": [m["tok_s"] for m in measured],
-            "steals": [m.get("steal", 0.0) for m in measured]}
+            "steals": [m["steal"] for m in measured]}
 
 
 def batch_bound(lines: list[str]) -> str:
@@ -377,9 +377,8 @@ def throughput_table(title: str, results: dict[str, dict[int, dict | str]], size
             if isinstance(result, dict):
                 ratio = f" ({result['tok_s'] / one['tok_s']:.1f}x)" if isinstance(one, dict) and one["tok_s"] else ""
                 bound = f", batch bound: {result['bound']}" if result.get("bound", "none") != "none" else ""
-                spread = (f"; rounds {'/'.join(f'{r:.1f}' for r in result['rounds'])}"
-                          if len(result.get("rounds", [])) > 1 else "")
-                steals = result.get("steals", [result.get("steal", 0.0)])
+                spread = f"; rounds {'/'.join(f'{r:.1f}' for r in result['rounds'])}" if len(result["rounds"]) > 1 else ""
+                steals = result["steals"]
                 spread += f"; steal {'/'.join(f'{s:.0%}' for s in steals)}" if max(steals) >= 0.005 else ""
                 row.append(f"{result['tok_s']:.2f}{ratio}{bound}{spread}")
             else:
