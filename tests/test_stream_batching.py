@@ -189,7 +189,7 @@ def test_a_long_prefill_is_chunked_between_the_decode_steps_of_the_others():
 
 
 def _prefill_passes(engine: BatchEngine) -> list[tuple[int, int]]:
-    """Watch the engine's passes: (rows, columns) of each prefill pass (more than one column, or the first)."""
+    """Watch the engine's passes: the (rows, columns) of every pass, prefill and decode, in order."""
     shapes: list[tuple[int, int]] = []
     forward = engine._forward
 
