@@ -204,8 +204,8 @@ def test_a_streamed_stage_of_a_quantized_store_reuses_its_buffers(tmp_path, monk
     pools = []
     real_init = BufferPool.__init__
 
-    def recorded(pool):
-        real_init(pool)
+    def recorded(pool, **options):
+        real_init(pool, **options)
         pools.append(pool)
 
     monkeypatch.setattr(BufferPool, "__init__", recorded)

@@ -18,7 +18,7 @@ from shardstream.store import open_store
 from shardstream.stream import AutoModel, StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
-from shardstream.stream.residency import choose_resident, resolve_budget
+from shardstream.stream.residency import choose_resident, resolve_budget, resolve_host_budget
 from tiny_models import save_checkpoint
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
@@ -129,9 +129,13 @@ def test_budget_and_choice_of_resident_blocks():
     assert choose_resident([10, 10, 10], 30, streaming_bytes=20) == [0, 1, 2]  # all fit: nothing streams
     assert choose_resident([10, 10, 10, 10], 30, streaming_bytes=20) == [0]
     assert resolve_budget(0, 5) == 0
+    assert choose_resident([10, 10, 10], resolve_budget(None, 5), streaming_bytes=10) == [0, 1, 2]  # None: no limit
     assert 0 < resolve_budget("auto", 0)
     with pytest.raises(InvalidOption, match="max_resident_memory"):
         resolve_budget(-1, 0)
+    assert resolve_host_budget("auto", "cpu") == resolve_host_budget(0, "cpu") == 0
+    with pytest.raises(InvalidOption, match="max_host_memory applies only with device='cuda'"):
+        resolve_host_budget(1 << 30, "cpu")
 
 
 def test_profiling_mode_prints_per_block_times(llama, capsys):

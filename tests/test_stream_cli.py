@@ -94,6 +94,8 @@ def test_generate_command_with_a_draft_prints_the_same_text_and_tokens_per_pass(
     ({"prompt": PROMPT, "output": "a.jsonl"}, "--output goes with --prompts-file"),
     ({"prompts_file": "p.txt", "output": "a.jsonl", "draft": "d"}, "--draft works with --prompt only"),
     ({"prompt": PROMPT, "draft": "d", "draft_tokens": 0}, "--draft-tokens must be at least 1"),
+    ({"prompt": PROMPT, "max_host_memory": "1GB"}, "--max-host-memory applies only with --device cuda"),
+    ({"prompt": PROMPT, "max_host_memory": "lots"}, "--max-host-memory"),
 ])
 def test_generate_command_refuses_conflicting_options(tiny, options, words):
     store, _, _ = tiny

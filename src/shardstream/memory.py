@@ -1,7 +1,7 @@
 """The memory this process may really use: the host's available RAM, capped by its cgroup (as
 Docker, Kubernetes and `memcap` set one) and by an explicit limit. Shared by the streaming runtime's
 budgets and the pipeline agent's report: the host's RAM inside a 700 MiB container is a lie that
-ends with the kernel killing the process.
+ends with the kernel killing the process. On a GPU, what is free on the GPU instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ def available_bytes(max_memory: int | None = None, proc_cgroup: Path = Path("/pr
     if max_memory is not None:
         limits.append(max_memory)
     return max(0, min(limits))
+
+
+def gpu_free_bytes(device) -> int:
+    """Bytes still free on a CUDA device for this process: what the driver reports free plus what torch's
+    caching allocator holds without using (the driver counts that as taken)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> list[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import gpu_free_bytes
 from .residency import available_memory
 
 SLACK = 32 << 20     # never planned: request objects, tokenizer calls, allocator fragments, a reader thread's stack
@@ -80,9 +81,12 @@ class Shape:
         return int(SAFETY * (tokens * per_token + scores + layer_kv + logits))
 
 
-def room() -> int:
-    """Bytes the batch may still take now: available memory minus SLACK. Freed heap memory is given
-    back to the system first, or it would count as used."""
+def room(device: torch.device) -> int:
+    """Bytes the batch may still take now on `device` (its KV caches and activations live there):
+    available memory minus SLACK. Freed heap memory is given back to the system first, or it would
+    count as used."""
+    if device.type == "cuda":
+        return gpu_free_bytes(device) - SLACK
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)

@@ -413,7 +413,7 @@ class BatchEngine:
 
     def _room(self) -> int | None:
         """Bytes the batch may still take now (None: no memory bound)."""
-        return room() if self.memory_bound else None
+        return room(self.device) if self.memory_bound else None
 
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say

@@ -21,6 +21,9 @@ Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (fold
 StorePath = Annotated[Optional[str], typer.Option("--store-path", help="Where the store lives when converting.")]
 Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
+HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after "
+                                              "their first read, so a token only copies them to the GPU: auto (half the RAM "
+                                              "available), 0 (read them every token) or a size like 16GB.")]
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -36,17 +39,22 @@ def check_device(device: str) -> None:
 
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
-               profile: bool = False, progress: bool = True, batch_size: int = 1) -> StreamingModel:
+               profile: bool = False, progress: bool = True, batch_size: int = 1,
+               max_host_memory: str = "auto") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model. For batches of more than
     one sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
     check_device(device)
-    max_resident_memory = batch_resident_budget(max_resident_memory, batch_size)
+    max_resident_memory = batch_resident_budget(max_resident_memory, batch_size, device)
     budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
+    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
+    if host not in ("auto", 0) and not device.startswith("cuda"):
+        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
     from .model import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      max_resident_memory=budget, profiling_mode=profile, progress=progress,
-                                     piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None)
+                                     piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
+                                     max_host_memory=host)

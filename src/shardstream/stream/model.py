@@ -26,7 +26,7 @@ from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .blocks import StreamedBlocks, fill_block
 from .direct import use_direct
-from .residency import choose_resident, resolve_budget
+from .residency import choose_resident, resolve_budget, resolve_host_budget
 from .resolve import ensure_store
 from .weights import Slots, WeightMapper, parameters_on_meta
 
@@ -100,7 +100,8 @@ class StreamingModel:
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
                  profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None,
-                 experts: str = "with_block", piece_bytes: int | None = None):
+                 experts: str = "with_block", piece_bytes: int | None = None,
+                 max_host_memory: int | str | None = "auto"):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
@@ -121,8 +122,9 @@ class StreamingModel:
         prefixes = self._block_prefixes(mapper)
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
+        self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
         self._fill_resident_parts(mapper, prefixes)
-        budget = resolve_budget(max_resident_memory, self._resident_slots.nbytes)
+        budget = resolve_budget(max_resident_memory, self._resident_slots.nbytes, self.device)
         blocks = [self.model.get_submodule(p) for p in prefixes]
         pieces = self._split(blocks, prefixes, mapper, piece_bytes)
         sizes = [s.nbytes for s in self._slots]
@@ -303,11 +305,12 @@ class StreamingModel:
             print(self.profile.table(), file=sys.stderr)
 
     def close(self) -> None:
-        """Stop the prefetch thread and drop the hooks."""
+        """Stop the prefetch thread, drop the hooks, unpin the read buffers."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._streaming.close()
+        self._loader.close()
 
     def __enter__(self) -> StreamingModel:
         return self
@@ -339,6 +342,7 @@ class AutoModel:
         revision: str | None = None,
         progress: bool = True,
         piece_bytes: int | None = None,
+        max_host_memory: int | str | None = "auto",
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -349,6 +353,9 @@ class AutoModel:
         docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
         `piece_bytes`: the most bytes of a streamed block's big modules in memory at once (pieces.py;
         default 64 MiB; a batch engine's model passes 16 MiB, leaving memory to its KV caches).
+        `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
+        after their first read, so that a token only copies them to the GPU ('auto': half the RAM
+        available; 0: read every token).
         """
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
@@ -360,4 +367,5 @@ class AutoModel:
             store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
             verify_checksums=verify_checksums, dtype=dtype, experts=experts, piece_bytes=piece_bytes,
+            max_host_memory=max_host_memory,
         )
