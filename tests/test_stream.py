@@ -121,6 +121,10 @@ def test_resident_blocks_stay_and_are_not_streamed(llama):
         assert sorted(model.profile.blocks) == [1, 2, 3]
     with AutoModel.from_pretrained(store_path) as model:  # "auto": a tiny model fits entirely
         assert model.resident_blocks == [0, 1, 2, 3]
+    with AutoModel.from_pretrained(store_path, max_resident_memory=None) as model:  # None: no limit (it was 0)
+        assert model.resident_blocks == [0, 1, 2, 3]
+        with torch.no_grad():
+            assert (model(ids).logits - reference(ids).logits).abs().max().item() <= TOLERANCE
 
 
 def test_budget_and_choice_of_resident_blocks():
