@@ -51,7 +51,7 @@ def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, devi
 
 def resolve_host_budget(max_host_memory: int | str | None, device: torch.device | str) -> int:
     """Bytes of streamed pieces a model on a GPU keeps page-locked in host RAM after their first read
-    (None: no limit), so that a token only copies them to the GPU (loader.BlockLoader.keep). 'auto' =
+    (None: no limit), so that a token only copies them to the GPU (loader.BlockLoader._reserve). 'auto' =
     HOST_SHARE of the RAM available. On the CPU there is nothing to copy: only 'auto' or 0 is accepted."""
     if not str(device).startswith("cuda"):
         if max_host_memory not in ("auto", 0):
