@@ -133,6 +133,9 @@ def main() -> None:
 
     from shardstream.store import open_store
 
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/stream_gpu.py needs a CUDA GPU, and torch sees none here "
+                         f"(torch {torch.__version__}); run it on a machine with one.")
     _, store = build(args)
     opened = open_store(store)
     per_token = sum(opened.part_nbytes(p) for p in opened.parts if p.startswith("mid/"))
