@@ -2,8 +2,8 @@
 estimate under the real peak lets a batch outgrow the memory it was admitted for (under a cap: killed),
 one far over it holds the batch back. Here the real peak of a prefill pass is measured for every family,
 in a fresh process (the rise of its peak resident memory over the pass, with glibc mapping large
-allocations on their own and handing freed memory back, as the engine has it), and must stay within
-the estimate."""
+allocations on their own and handing freed memory back, and the pass reusing its large blocks
+(`stream/pass_memory.py`), as the engine has it), and must stay within the estimate."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardstream.stream.pass_memory import find_compiler
 from tiny_models import COMMON, CONFIGS
 
 HIDDEN = 256          # wide enough that a pass's activations are mapped (>= 1 MiB), not drawn from the heap
@@ -50,10 +51,12 @@ def _measure_all() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from shardstream.stream import pass_memory
     from shardstream.stream.admission import Shape, _libc, map_large_allocations
     from shardstream.stream.kvcache import reserved_bytes, reserved_cache
 
     map_large_allocations()
+    pass_memory.install()   # as the engine does: where no compiler builds it, passes run without it
     results = {}
     for family in CONFIGS:
         torch.manual_seed(0)
@@ -67,11 +70,13 @@ def _measure_all() -> None:
                 Path("/proc/self/clear_refs").write_text("5")   # the peak (VmHWM) restarts from now
                 before = _memory()[1]
                 cache = reserved_cache(COLUMNS)
-                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                with pass_memory.reusing():
+                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 rises.append(_memory()[0] - before - reserved_bytes(cache))
                 del cache
         estimate = Shape.of(config, torch.float32).pass_bytes(ROWS, COLUMNS, COLUMNS, 1)
         results[family] = [max(rises[1:]), estimate]
+    results["reused"] = pass_memory.reused_blocks()
     print(json.dumps(results))
 
 
@@ -84,6 +89,8 @@ def test_a_pass_never_takes_more_than_admission_counts_for_it():
                          env={**os.environ, "THP_MEM_ALLOC_ENABLE": "0"})   # huge pages would round the peak up
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
+    reused = results.pop("reused")
+    assert reused > 0 or find_compiler() is None, "the passes did not run on the reusing allocator"
     assert set(results) == set(CONFIGS)
     over = {family: f"{measured / 2**20:.1f} MiB measured, {estimate / 2**20:.1f} MiB counted"
             for family, (measured, estimate) in results.items() if measured > estimate}

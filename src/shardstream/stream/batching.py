@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from ..errors import InvalidOption
 from ..sizes import parse_size
-from . import kvcache
+from . import kvcache, pass_memory
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
 from .model import check_context
 
@@ -259,9 +259,11 @@ class BatchEngine:
         self.gather_seconds = gather_seconds
         self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
         self.memory_bound = kv_cache_budget is not None   # "auto" or a number: admit only what memory holds
+        self.device = torch.device(getattr(model, "device", "cpu"))
         if self.memory_bound:
             map_large_allocations()
-        self.device = torch.device(getattr(model, "device", "cpu"))
+        if self.memory_bound and self.device.type == "cpu":
+            pass_memory.install()
         dtype = getattr(model, "dtype", None) or model.model.dtype
         self.shape = Shape.of(model.config, dtype)
         self.forward_passes = 0   # before the first, the streamed blocks' buffers are not allocated yet
@@ -468,7 +470,7 @@ class BatchEngine:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
         """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
-        with torch.no_grad():
+        with torch.no_grad(), pass_memory.reusing():
             out = self.model(ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
                              past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.forward_passes += 1
