@@ -95,7 +95,11 @@ def test_the_engine_gives_the_same_tokens_without_a_compiler(tmp_path):
     built = _run(ENGINE, XDG_CACHE_HOME=str(tmp_path / "a"))
     missing = _run(ENGINE, XDG_CACHE_HOME=str(tmp_path / "b"), CXX=str(tmp_path / "no-such-compiler"))
     switched_off = _run(ENGINE, XDG_CACHE_HOME=str(tmp_path / "c"), SHARDSTREAM_PASS_MEMORY="0")
+    (tmp_path / "a-file").write_text("")   # the cache folder cannot be made under it
+    unwritable = _run(ENGINE, XDG_CACHE_HOME=str(tmp_path / "a-file"))
     assert built["installed"] and not missing["installed"] and not switched_off["installed"]
-    assert built["tokens"] == missing["tokens"] == switched_off["tokens"]
+    assert built["tokens"] == missing["tokens"] == switched_off["tokens"] == unwritable["tokens"]
     assert any("building pass_memory.cpp failed" in line for line in missing["log"]), missing["log"]
     assert any("SHARDSTREAM_PASS_MEMORY=0" in line for line in switched_off["log"]), switched_off["log"]
+    assert not unwritable["installed"]
+    assert any("cannot write to" in line for line in unwritable["log"]), unwritable["log"]

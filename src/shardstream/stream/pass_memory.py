@@ -84,7 +84,11 @@ def _library() -> ctypes.CDLL | None:
     built = _built()
     if built is None:
         return None
-    library = ctypes.CDLL(str(built))
+    try:
+        library = ctypes.CDLL(str(built))
+    except OSError as error:
+        log.info("pass memory reuse: off (cannot load %s: %s)", built, error)
+        return None
     library.pass_memory_install.argtypes = [ctypes.c_int]
     library.pass_memory_end.restype = ctypes.c_size_t
     library.pass_memory_reused.restype = ctypes.c_size_t
@@ -103,8 +107,12 @@ def _built() -> Path | None:
     if compiler is None:
         log.info("pass memory reuse: off (no C++ compiler found; set CXX): prefill passes take about 20% longer")
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=".pass_memory-", suffix=".so")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=target.parent, prefix=".pass_memory-", suffix=".so")
+    except OSError as error:
+        log.info("pass memory reuse: off (cannot write to %s: %s; set XDG_CACHE_HOME)", target.parent, error.strerror)
+        return None
     os.close(handle)
     command = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
