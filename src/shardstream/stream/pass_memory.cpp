@@ -23,23 +23,27 @@ constexpr size_t kLarge = size_t(1) << 20;
 constexpr size_t kGranule = size_t(64) << 10;
 constexpr size_t kHugePage = size_t(2) << 20;
 
-std::mutex lock;
-std::multimap<size_t, void*> kept;                    // size -> a block free for reuse
-std::unordered_map<void*, size_t> sizes;              // every large block we allocated and not freed
-size_t kept_bytes = 0;
-size_t reused = 0;
-int passes = 0;      // passes running: while any is, freed large blocks are kept
-bool huge_pages = false;
+struct State {
+  std::mutex lock;
+  std::multimap<size_t, void*> kept;        // size -> a block free for reuse
+  std::unordered_map<void*, size_t> sizes;  // every large block we allocated and not freed
+  size_t kept_bytes = 0;
+  size_t reused = 0;
+  int passes = 0;  // passes running: while any is, freed large blocks are kept
+  bool huge_pages = false;
+};
+// Never destroyed: torch may still free (or allocate) a tensor while static objects are destroyed at exit.
+State& state = *new State();
 
 void give_back(void* block) {
-  std::lock_guard<std::mutex> guard(lock);
-  auto found = sizes.find(block);
-  if (passes > 0) {
-    kept.emplace(found->second, block);
-    kept_bytes += found->second;
+  std::lock_guard<std::mutex> guard(state.lock);
+  auto found = state.sizes.find(block);
+  if (state.passes > 0) {
+    state.kept.emplace(found->second, block);
+    state.kept_bytes += found->second;
     return;
   }
-  sizes.erase(found);
+  state.sizes.erase(found);
   std::free(block);
 }
 
@@ -52,21 +56,21 @@ struct PassMemoryAllocator final : c10::Allocator {
     if (n < kLarge) return fallback->allocate(n);
     size_t size = (n + kGranule - 1) / kGranule * kGranule;
     {
-      std::lock_guard<std::mutex> guard(lock);
-      auto found = kept.lower_bound(size);   // the smallest kept block that fits, if under twice the size
-      if (found != kept.end() && found->first < 2 * size) {
+      std::lock_guard<std::mutex> guard(state.lock);
+      auto found = state.kept.lower_bound(size);   // the smallest kept block that fits, if under twice the size
+      if (found != state.kept.end() && found->first < 2 * size) {
         void* block = found->second;
-        kept_bytes -= found->first;
-        kept.erase(found);
-        ++reused;
+        state.kept_bytes -= found->first;
+        state.kept.erase(found);
+        ++state.reused;
         return {block, block, &give_back, c10::Device(c10::DeviceType::CPU)};
       }
     }
     void* block = nullptr;
     if (posix_memalign(&block, size >= kHugePage ? kHugePage : 64, size) != 0) throw std::bad_alloc();
-    if (huge_pages && size >= kHugePage) madvise(block, size, MADV_HUGEPAGE);
-    std::lock_guard<std::mutex> guard(lock);
-    sizes[block] = size;
+    if (state.huge_pages && size >= kHugePage) madvise(block, size, MADV_HUGEPAGE);
+    std::lock_guard<std::mutex> guard(state.lock);
+    state.sizes[block] = size;
     return {block, block, &give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -76,13 +80,13 @@ struct PassMemoryAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 
-PassMemoryAllocator allocator;
+PassMemoryAllocator& allocator = *new PassMemoryAllocator();  // torch keeps a pointer to it
 
 void raw_free(void* block) {
   bool ours;
   {
-    std::lock_guard<std::mutex> guard(lock);
-    ours = sizes.count(block) != 0;
+    std::lock_guard<std::mutex> guard(state.lock);
+    ours = state.sizes.count(block) != 0;
   }
   if (ours) {
     give_back(block);
@@ -97,32 +101,32 @@ extern "C" {
 
 void pass_memory_install(int advise_huge_pages) {
   if (allocator.fallback != nullptr) return;
-  huge_pages = advise_huge_pages != 0;
+  state.huge_pages = advise_huge_pages != 0;
   allocator.fallback = c10::GetCPUAllocator();
   c10::SetCPUAllocator(&allocator, /*priority=*/1);
 }
 
 void pass_memory_begin() {
-  std::lock_guard<std::mutex> guard(lock);
-  ++passes;
+  std::lock_guard<std::mutex> guard(state.lock);
+  ++state.passes;
 }
 
 size_t pass_memory_end() {
-  std::lock_guard<std::mutex> guard(lock);
-  if (--passes > 0) return 0;
-  size_t freed = kept_bytes;
-  for (auto& [size, block] : kept) {
-    sizes.erase(block);
+  std::lock_guard<std::mutex> guard(state.lock);
+  if (--state.passes > 0) return 0;
+  size_t freed = state.kept_bytes;
+  for (auto& [size, block] : state.kept) {
+    state.sizes.erase(block);
     std::free(block);
   }
-  kept.clear();
-  kept_bytes = 0;
+  state.kept.clear();
+  state.kept_bytes = 0;
   return freed;
 }
 
 size_t pass_memory_reused() {
-  std::lock_guard<std::mutex> guard(lock);
-  return reused;
+  std::lock_guard<std::mutex> guard(state.lock);
+  return state.reused;
 }
 
 }  // extern "C"
