@@ -27,7 +27,6 @@ struct State {
   std::mutex lock;
   std::multimap<size_t, void*> kept;        // size -> a block free for reuse
   std::unordered_map<void*, size_t> sizes;  // every large block we allocated and not freed
-  size_t kept_bytes = 0;
   size_t reused = 0;
   int passes = 0;  // passes running: while any is, freed large blocks are kept
   bool huge_pages = false;
@@ -40,7 +39,6 @@ void give_back(void* block) {
   auto found = state.sizes.find(block);
   if (state.passes > 0) {
     state.kept.emplace(found->second, block);
-    state.kept_bytes += found->second;
     return;
   }
   state.sizes.erase(found);
@@ -60,7 +58,6 @@ struct PassMemoryAllocator final : c10::Allocator {
       auto found = state.kept.lower_bound(size);   // the smallest kept block that fits, if under twice the size
       if (found != state.kept.end() && found->first < 2 * size) {
         void* block = found->second;
-        state.kept_bytes -= found->first;
         state.kept.erase(found);
         ++state.reused;
         return {block, block, &give_back, c10::Device(c10::DeviceType::CPU)};
@@ -111,17 +108,14 @@ void pass_memory_begin() {
   ++state.passes;
 }
 
-size_t pass_memory_end() {
+void pass_memory_end() {
   std::lock_guard<std::mutex> guard(state.lock);
-  if (--state.passes > 0) return 0;
-  size_t freed = state.kept_bytes;
+  if (--state.passes > 0) return;
   for (auto& [size, block] : state.kept) {
     state.sizes.erase(block);
     std::free(block);
   }
   state.kept.clear();
-  state.kept_bytes = 0;
-  return freed;
 }
 
 size_t pass_memory_reused() {

@@ -90,7 +90,6 @@ def _library() -> ctypes.CDLL | None:
         log.info("pass memory reuse: off (cannot load %s: %s)", built, error)
         return None
     library.pass_memory_install.argtypes = [ctypes.c_int]
-    library.pass_memory_end.restype = ctypes.c_size_t
     library.pass_memory_reused.restype = ctypes.c_size_t
     return library
 
