@@ -168,6 +168,27 @@ def test_logprobs_and_echo_match_transformers_log_softmax(server):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)   # greedy: the best
 
 
+def test_echo_gives_the_prompt_back_and_offsets_index_the_text(server):
+    """A text prompt comes back as sent; a special token (here a BOS sent as an id) is in `tokens` but not in
+    the text, and every token's `text_offset` points at it in the text, whole and streamed."""
+    _, http, client, reference, tokenizer = server
+    ids = [tokenizer.bos_token_id, *tokenizer(PROMPT)["input_ids"]]
+    body = dict(model="tiny-llama", prompt=ids, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**body).choices[0]
+    assert whole.text == PROMPT + _greedy(reference, tokenizer, ids, 4)
+    tokens, offsets = whole.logprobs.tokens, whole.logprobs.text_offset
+    assert tokens[0] == "<s>" and offsets[0] == 0 and whole.logprobs.token_logprobs[0] is None
+    assert [whole.text[o:o + len(t)] for o, t in zip(offsets[1:], tokens[1:])] == tokens[1:]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True)]
+    assert chunks[0].text == PROMPT and "".join(c.text for c in chunks) == whole.text
+    streamed = [(o, t) for c in chunks[1:] if c.logprobs for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens)]
+    assert streamed == list(zip(offsets[-4:], tokens[-4:]))
+    texted = client.completions.create(**{**body, "prompt": PROMPT}).choices[0]
+    assert texted.text == PROMPT + _greedy(reference, tokenizer, PROMPT, 4)
+    assert [texted.text[o:o + len(t)] for o, t in zip(texted.logprobs.text_offset, texted.logprobs.tokens)] \
+        == texted.logprobs.tokens
+
+
 def test_stop_strings_end_generation_and_are_left_out(server):
     _, http, client, reference, tokenizer = server
     full = _greedy(reference, tokenizer, PROMPT, 20)

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -54,10 +54,15 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
     async def completions(body: CompletionRequest, request: Request):
         body.refuse_unsupported()
         check_model(body.model, served)
-        prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in body.prompts()]
+        sent = body.prompts()
+        prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in sent]
         _check_tokens(prompts, tokenizer)
+        # what echo gives back: a text prompt as sent (decoding its ids would add the tokenizer's BOS, "<s>"),
+        # token ids decoded as generated text is (special tokens left out)
+        texts = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=True)
+                 for p, ids in zip(sent, prompts)]
         return await _respond(request, body, prompts, body.max_tokens, _Reply(served[0], chat=False, echo=body.echo),
-                              logprobs=body.logprobs)
+                              logprobs=body.logprobs, texts=texts)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -73,7 +78,7 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         return await _respond(request, body, [ids], max_tokens, _Reply(served[0], chat=True), logprobs=logprobs)
 
     async def _respond(request: Request, body, prompts: list[list[int]], max_tokens: int | None, reply: _Reply,
-                       logprobs: int | None):
+                       logprobs: int | None, texts: list[str] | None = None):
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         for ids in prompts:
             _check_context(len(ids), max_tokens, limit)
@@ -88,7 +93,8 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
                         seed=None if body.seed is None else body.seed + j,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                         logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
-                    choices.append(_Choice(len(choices), ids, engine.submit(ids, params), StopFilter(body.stop)))
+                    choices.append(_Choice(len(choices), ids, texts[p] if texts else "", engine.submit(ids, params),
+                                           StopFilter(body.stop)))
         except BaseException:
             for choice in choices:
                 choice.sequence.cancel()
@@ -152,6 +158,7 @@ class _Choice:
 
     index: int
     prompt_ids: list[int]
+    prompt_text: str          # what `echo` gives back
     sequence: object
     stops: StopFilter
     ids: list[int] = field(default_factory=list)
@@ -267,14 +274,12 @@ class _Reply:
             return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                     "logprobs": self._chat_logprobs(choice.logprobs, tokenizer) if self.logprobs else None,
                     "finish_reason": choice.finish}
-        prefix = tokenizer.decode(choice.prompt_ids) if self.echo else ""
-        entries = list(choice.logprobs)
+        prefix = choice.prompt_text if self.echo else ""
+        entries, tokens, echoed = list(choice.logprobs), choice.ids, []
         if self.echo and choice.sequence.prompt_logprobs is not None:
             entries = [*choice.sequence.prompt_logprobs, *entries]
-            tokens = [*choice.prompt_ids, *choice.ids]
-        else:
-            tokens = choice.ids
-        logprobs = self._completion_logprobs(entries, tokens, tokenizer, prefix, 0) \
+            echoed = choice.prompt_ids
+        logprobs = self._completion_logprobs(entries, tokens, tokenizer, len(prefix), echoed) \
             if self.logprobs else None
         return {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish}
@@ -284,7 +289,7 @@ class _Reply:
         if self.chat:
             return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-        return {"index": choice.index, "text": tokenizer.decode(choice.prompt_ids) if self.echo else "",
+        return {"index": choice.index, "text": choice.prompt_text if self.echo else "",
                 "logprobs": None, "finish_reason": None}
 
     def delta(self, choice: _Choice, piece: str, entries: list[TokenLogprob], tokenizer) -> dict:
@@ -293,18 +298,22 @@ class _Reply:
             logprobs = self._chat_logprobs(entries, tokenizer) if entries else None
             return {"index": choice.index, "delta": {"content": piece}, "logprobs": logprobs,
                     "finish_reason": choice.finish}
-        logprobs = self._completion_logprobs(entries, tokens, tokenizer, "", len(choice.text) - len(piece)) \
-            if entries else None
+        start = (len(choice.prompt_text) if self.echo else 0) + len(choice.text) - len(piece)
+        logprobs = self._completion_logprobs(entries, tokens, tokenizer, start) if entries else None
         return {"index": choice.index, "text": piece, "logprobs": logprobs, "finish_reason": choice.finish}
 
     @staticmethod
-    def _completion_logprobs(entries: list[TokenLogprob | None], tokens: list[int], tokenizer, prefix: str,
-                             start: int) -> dict:
-        strings = [tokenizer.decode([t]) for t in tokens]
-        offsets, at = [], start
-        for text in strings:
-            offsets.append(at)
-            at += len(text)
+    def _completion_logprobs(entries: list[TokenLogprob | None], tokens: list[int], tokenizer, start: int,
+                             echoed: Sequence[int] = ()) -> dict:
+        """The legacy API's logprobs of the `echoed` prompt tokens then `tokens`. `text_offset` is where each
+        starts in the choice's text: the echoed prompt's from 0 (a special token the tokenizer added, such
+        as BOS, takes no characters there), the generated ones from `start`."""
+        offsets = []
+        for ids, at in ((echoed, 0), (tokens, start)):
+            for t in ids:
+                offsets.append(at)
+                at += len(tokenizer.decode([t], skip_special_tokens=True))
+        strings = [tokenizer.decode([t]) for t in [*echoed, *tokens]]
         return {"tokens": strings,
                 "token_logprobs": [e.logprob if e else None for e in entries],
                 "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} if e else None for e in entries],
