@@ -178,15 +178,19 @@ def test_echo_gives_the_prompt_back_and_offsets_index_the_text(server):
     assert whole.text == PROMPT + _greedy(reference, tokenizer, ids, 4)
     tokens, offsets = whole.logprobs.tokens, whole.logprobs.text_offset
     assert tokens[0] == "<s>" and offsets[0] == 0 and whole.logprobs.token_logprobs[0] is None
-    assert [whole.text[o:o + len(t)] for o, t in zip(offsets[1:], tokens[1:])] == tokens[1:]
+    assert _at_offsets(whole.text, offsets[1:], tokens[1:]) == tokens[1:]
     chunks = [c.choices[0] for c in client.completions.create(**body, stream=True)]
     assert chunks[0].text == PROMPT and "".join(c.text for c in chunks) == whole.text
     streamed = [(o, t) for c in chunks[1:] if c.logprobs for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens)]
     assert streamed == list(zip(offsets[-4:], tokens[-4:]))
     texted = client.completions.create(**{**body, "prompt": PROMPT}).choices[0]
     assert texted.text == PROMPT + _greedy(reference, tokenizer, PROMPT, 4)
-    assert [texted.text[o:o + len(t)] for o, t in zip(texted.logprobs.text_offset, texted.logprobs.tokens)] \
-        == texted.logprobs.tokens
+    assert _at_offsets(texted.text, texted.logprobs.text_offset, texted.logprobs.tokens) == texted.logprobs.tokens
+
+
+def _at_offsets(text: str, offsets: list[int], tokens: list[str]) -> list[str]:
+    """What `text` holds where each token is said to start, as long as the token."""
+    return [text[o:o + len(t)] for o, t in zip(offsets, tokens)]
 
 
 def test_stop_strings_end_generation_and_are_left_out(server):

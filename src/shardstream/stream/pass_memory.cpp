@@ -1,11 +1,12 @@
 // A CPU allocator for torch that keeps the large blocks freed during a forward pass and hands them
-// out again to allocations of the same size within that pass (see pass_memory.py for why).
+// out again to later allocations they fit within that pass (see pass_memory.py for why).
 //
 // Blocks of 1 MiB or more are allocated here (from 2 MiB on 2 MiB-aligned, and advised for transparent
 // huge pages when torch would be, THP_MEM_ALLOC_ENABLE=1); smaller ones go to the allocator installed
 // before. Between `pass_memory_begin()` and the matching `pass_memory_end()` (passes may overlap on
-// several threads), a freed large block is kept in a list for its size instead of being freed; the
-// last `pass_memory_end()` frees every kept block.
+// several threads), a freed large block is kept, by size, instead of being freed, and an allocation
+// takes the smallest kept block that fits if it is under twice its size; the last `pass_memory_end()`
+// frees every kept block.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <sys/mman.h>

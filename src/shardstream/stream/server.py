@@ -60,7 +60,7 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         # what echo gives back: a text prompt as sent (decoding its ids would add the tokenizer's BOS, "<s>"),
         # token ids decoded as generated text is (special tokens left out)
         texts = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=True)
-                 for p, ids in zip(sent, prompts)]
+                 for p, ids in zip(sent, prompts)] if body.echo else None
         return await _respond(request, body, prompts, body.max_tokens, _Reply(served[0], chat=False, echo=body.echo),
                               logprobs=body.logprobs, texts=texts)
 
