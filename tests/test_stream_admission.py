@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream.stream.pass_memory import find_compiler
+from shardstream.stream.native import find_compiler
 from tiny_models import COMMON, CONFIGS
 
 HIDDEN = 256          # wide enough that a pass's activations are mapped (>= 1 MiB), not drawn from the heap

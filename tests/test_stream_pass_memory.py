@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream.stream.pass_memory import find_compiler
+from shardstream.stream.native import find_compiler
 
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

@@ -200,7 +200,7 @@ def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monk
     from shardstream import quant
     from shardstream.stream import model as streaming
 
-    _, store = _store(tmp_path, compression="4bit")
+    _, store = _store(tmp_path, compression="8bit")   # 4-bit Linears stay packed (nf4.py)
     monkeypatch.setenv(ENV, mode)
     threads: list[str] = []
     real = quant.dequantize
@@ -237,7 +237,7 @@ def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_bac
     and the next pass gives the same logits with no more buffers."""
     from shardstream import quant
 
-    _, store = _store(tmp_path, compression="4bit")
+    _, store = _store(tmp_path, compression="8bit")   # 4-bit Linears stay packed (nf4.py)
     monkeypatch.setenv(ENV, "on")
     many = IDS.repeat(2, 2)
     with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():

@@ -145,12 +145,14 @@ def tensor_from_bytes(buffer: bytearray | memoryview, offset: int, dtype: str, s
     return torch.frombuffer(buffer, dtype=torch_dtype, count=count, offset=offset).reshape(shape)
 
 
-def decode_tensor(buffer, base: int, record: TensorRecord) -> torch.Tensor:
-    """Rebuild one logical tensor from a buffer holding its file's bytes from file offset `base`."""
+def decode_tensor(buffer, base: int, record: TensorRecord,
+                  dequantize: bool = True) -> torch.Tensor | quant.QuantizedTensor:
+    """Rebuild one logical tensor from a buffer holding its file's bytes from file offset `base`; a
+    quantized one as its codes and scales (viewing the buffer) when not `dequantize`."""
     stored = tensor_from_bytes(buffer, record.offset - base, record.dtype, record.shape)
     meta = record.quant
     if not meta:
         return stored
     scales = meta["absmax"]
     absmax = tensor_from_bytes(buffer, scales["offset"] - base, scales["dtype"], scales["shape"])
-    return quant.dequantize(stored, absmax, meta)
+    return quant.dequantize(stored, absmax, meta) if dequantize else quant.QuantizedTensor(stored, absmax, meta)

@@ -9,6 +9,8 @@ of the reference model (hidden 1024, intermediate 2816, weights fresh from memor
 matrix-vector product either way and keeps `F.linear`. The sums are the same dot products: equal
 bit for bit from about 10 rows here, within rounding (~1e-6) below, as a batch already differs
 from a row alone.
+
+A 4-bit weight kept packed (nf4.py) is multiplied from its codes instead, at every row count.
 """
 
 from __future__ import annotations
@@ -17,13 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import quant
+from . import nf4
+
 FEW_ROWS = range(2, 129)
 
 
 class FewRowsLinear(nn.Linear):
-    """`nn.Linear` whose float32 CPU products of 2-128 rows run as W @ xᵀ (see the module docstring)."""
+    """`nn.Linear` whose float32 CPU products of 2-128 rows run as W @ xᵀ (see the module docstring), or
+    from the 4-bit codes of `packed` while a streamed block has them in place (its `weight` stays on meta)."""
+
+    packed: quant.QuantizedTensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return nf4.linear(x, self.packed, self.bias)
         weight = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in FEW_ROWS or weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu":
@@ -39,3 +49,9 @@ def use_few_rows_linear(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FewRowsLinear
+
+
+def packable_weights(model: nn.Module) -> set[str]:
+    """Parameter names of the float32 FewRowsLinear weights: those a 4-bit store may hand over packed."""
+    return {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, FewRowsLinear) and module.weight.dtype == torch.float32}

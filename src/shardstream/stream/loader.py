@@ -14,10 +14,10 @@ import torch
 
 from .. import quant
 from ..store import Store
-from ..store.manifest import TensorRecord
 from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
 from .mapped import cool, map_part, map_ranges, spans, verify_mapped
+from .nf4 import packable
 from .pieces import Piece
 from .weights import WeightMapper
 
@@ -87,6 +87,8 @@ class BlockLoader:
 
     A quantized piece is dequantized by the reader while `decode_in_reader` holds, else by the thread
     that computes with it (`LoadedBlock.wait`); the model sets it per pass (see model.COMPUTE_BOUND_ROWS).
+    Its 4-bit Linear weights are not dequantized at all where `pack_linear_weights` marked them: they
+    go to the model as the codes read (nf4.py).
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
@@ -109,6 +111,8 @@ class BlockLoader:
         self._decoded: dict[tuple[int, int], int] = {}    # bytes of its dequantized tensors' buffer (0: none)
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
         self.decode_in_reader = True
+        self.packed_keys: frozenset[str] = frozenset()   # checkpoint keys handed over packed (quant.QuantizedTensor)
+        self._packing_saves: dict[str, int] = {}   # parameter name -> bytes its packing saves
         self.host_budget = 0   # CUDA: bytes of streamed pieces kept page-locked in host RAM (see _reserve)
         self._kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._kept_bytes = 0
@@ -156,6 +160,28 @@ class BlockLoader:
             buffers.clear()
         return pinned
 
+    def pack_linear_weights(self, linear_weights: set[str]) -> None:
+        """Hand the 4-bit weights of these Linears (parameter names) over packed, where the kernel runs
+        (nf4.packable) and on the CPU; not a tensor that a tied weight shares (an embedding needs its
+        values). Call before reading anything."""
+        if self.device.type != "cpu":
+            return
+        tensors = self.store.manifest.tensors
+        shared = {info["target"] for info in self.store.manifest.aliases.values()}
+        packed = {}
+        for part in self.store.manifest.parts:
+            for key in self.store.tensor_names(part):
+                name = self.mapper.linear_weight(key, linear_weights)
+                if name and key in tensors and key not in shared and packable(tensors[key].quant):
+                    meta = tensors[key].quant
+                    packed[key] = (name, quant.dequantized_nbytes(meta) - tensors[key].length - meta["absmax"]["length"])
+        self.packed_keys = frozenset(packed)
+        self._packing_saves = {name: saved for name, saved in packed.values()}
+
+    def packing_saves(self, names: set[str] | frozenset[str]) -> int:
+        """Bytes of memory that the packed ones among these parameters save against their dequantized size."""
+        return sum(self._packing_saves.get(name, 0) for name in names)
+
     def checkpoint_keys(self, index: int) -> list[str]:
         """The checkpoint tensors a load of block `index` gives."""
         return self.store.tensor_names(f"mid/{index}")
@@ -183,8 +209,7 @@ class BlockLoader:
         self._pieces, self.held = dict(pieces), held
         self._layouts = {key: _layout(self.store, names) for key, names in pieces.items() if names is not None}
         read = {key: sum(e - b for _, ranges in layout for b, e in ranges) for key, layout in self._layouts.items()}
-        decoded = {key: sum(_decoded_bytes(self.store.manifest.tensors[name]) for name in pieces[key])
-                   for key in self._layouts}
+        decoded = {key: sum(self._decoded_bytes(name) for name in pieces[key]) for key in self._layouts}
         self._exact = {key: (read[key], decoded[key]) for key in read}
         for group in (held, read.keys() - held):
             for need, sizes in ((read, self._capacity), (decoded, self._decoded)):
@@ -205,7 +230,7 @@ class BlockLoader:
                     self.direct = False
             if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
-                                        mappings=getattr(self._collect, "mappings", None)))
+                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=self.packed_keys))
             if verify:
                 self._verified.add(part)
         return tensors
@@ -219,7 +244,7 @@ class BlockLoader:
             return view
 
         try:
-            tensors = self.store.load(part, read=read, verify=verify, experts=self._experts)
+            tensors = self.store.load(part, read=read, verify=verify, experts=self._experts, keep_quantized=self.packed_keys)
         except BaseException:
             self._pool.give(taken)
             raise
@@ -354,23 +379,29 @@ class BlockLoader:
         for name in names:
             record = self.store.manifest.tensors[name]
             stored = view(record.file, record.offset, record.dtype, record.shape)
-            if record.quant:
+            scales = record.quant and view(record.file, record.quant["absmax"]["offset"],
+                                           record.quant["absmax"]["dtype"], record.quant["absmax"]["shape"])
+            if name in self.packed_keys:
+                stored = quant.QuantizedTensor(stored, scales, record.quant)
+            elif record.quant:
                 if output is None:
                     output = self._pool.take(self._exact[key][1] if exact else self._decoded[key])
                     buffers.append(output)
-                meta, scales = record.quant, record.quant["absmax"]
+                meta = record.quant
                 count = math.prod(meta["shape"])
                 out = torch.frombuffer(output, dtype=quant.DTYPES[meta["dtype"]], count=count, offset=at) if count else None
-                stored = quant.dequantize(stored, view(record.file, scales["offset"], scales["dtype"], scales["shape"]),
-                                          meta, out)
-                at += _decoded_bytes(record)
+                stored = quant.dequantize(stored, scales, meta, out)
+                at += self._decoded_bytes(name)
             tensors[name] = stored
         return tensors
 
-
-def _decoded_bytes(record: TensorRecord) -> int:
-    """Bytes a quantized tensor takes dequantized, rounded up to a cache line (0 when not quantized)."""
-    return -(-quant.dequantized_nbytes(record.quant) // 64) * 64 if record.quant else 0
+    def _decoded_bytes(self, name: str) -> int:
+        """Bytes a quantized tensor takes dequantized, rounded up to a cache line (0 when not quantized or
+        handed over packed)."""
+        record = self.store.manifest.tensors[name]
+        if not record.quant or name in self.packed_keys:
+            return 0
+        return -(-quant.dequantized_nbytes(record.quant) // 64) * 64
 
 
 def _layout(store: Store, names: list[str]) -> Layout:

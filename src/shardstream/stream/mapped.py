@@ -22,14 +22,14 @@ from ..store.manifest import TensorRecord
 PAGE = mmap.PAGESIZE
 
 
-def map_part(store: Store, part: str, verify: bool = False,
-             mappings: list[mmap.mmap] | None = None, experts: bool = True) -> dict[str, torch.Tensor]:
+def map_part(store: Store, part: str, verify: bool = False, mappings: list[mmap.mmap] | None = None,
+             experts: bool = True, keep_quantized: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Tensors of one part viewing private mappings of its files, checksummed when `verify`.
 
     Verifying hashes the mapping itself: the bytes stay page-cache pages the kernel may reclaim,
     not a second (anonymous) copy that counts against a memory cap until the block is dropped.
     The mappings are appended to `mappings` when given (see `cool`). Experts stored apart are read
-    from their tiers (checked when `verify`) unless `experts=False`.
+    from their tiers (checked when `verify`) unless `experts=False`; `keep_quantized` as in `Store.load`.
     """
 
     def read(file_name: str) -> mmap.mmap:
@@ -38,7 +38,7 @@ def map_part(store: Store, part: str, verify: bool = False,
             mappings.append(mapping)
         return mapping
 
-    return store.load(part, read=read, verify=verify, experts=experts)
+    return store.load(part, read=read, verify=verify, experts=experts, keep_quantized=keep_quantized)
 
 
 def map_ranges(store: Store, names: list[str], mappings: list[mmap.mmap]) -> dict[str, mmap.mmap]:

@@ -18,10 +18,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
+from ..quant import QuantizedTensor
 from ..store import Store
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader
-from .linear import use_few_rows_linear
+from .linear import packable_weights, use_few_rows_linear
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .blocks import StreamedBlocks, fill_block
@@ -126,11 +127,13 @@ class StreamingModel:
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
         self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
+        self._loader.pack_linear_weights(packable_weights(self.model))
         self._fill_resident_parts(mapper, prefixes)
-        budget = resolve_budget(max_resident_memory, self._resident_slots.nbytes, self.device)
+        fixed = self._resident_slots.nbytes - self._loader.packing_saves(self._resident_slots.names)
+        budget = resolve_budget(max_resident_memory, fixed, self.device)
         blocks = [self.model.get_submodule(p) for p in prefixes]
         pieces = self._split(blocks, prefixes, mapper, piece_bytes)
-        sizes = [s.nbytes for s in self._slots]
+        sizes = [s.nbytes - self._loader.packing_saves(s.names) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if prefetching else 1
@@ -194,9 +197,10 @@ class StreamingModel:
             split = split_block(block, prefix, names, piece_bytes)
             keys = self._loader.split(k, split)
             if keys is None:
-                pieces[k] = whole(block, names, self._slots[k].nbytes)
+                pieces[k] = whole(block, names, self._slots[k].nbytes - self._loader.packing_saves(names))
                 plan[(k, 0)] = None
                 continue
+            split = [replace(p, nbytes=p.nbytes - self._loader.packing_saves(p.names)) for p in split]
             kept = [0] + [i for i in range(1, len(split)) if keys[i]]
             # a piece with nothing to read (experts filled on demand) is in memory for the whole block, as piece 0 is
             unread = sum(p.nbytes for i, p in enumerate(split) if i not in kept)
@@ -223,7 +227,8 @@ class StreamingModel:
                 f"the store at {self.store.root} lacks {sorted(missing)[:3]} outside the blocks; "
                 "re-convert the checkpoint with this transformers version."
             )
-        self._resident_slots.fill({n: t.to(self.device) for n, t in params.items() if n in self._resident_slots.names})
+        self._resident_slots.fill({n: t if isinstance(t, QuantizedTensor) else t.to(self.device)   # packed: on the CPU
+                                   for n, t in params.items() if n in self._resident_slots.names})
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
+from ..quant import QuantizedTensor
+
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
@@ -77,8 +79,9 @@ class WeightMapper:
                 names.update(renamed.replace(first, t) for t in converter.target_patterns)
         return names & self._expected.keys()
 
-    def convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}."""
+    def convert(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}; packed 4-bit
+        weights (only ever asked for where `linear_weight` names one) pass as they are."""
         out: dict[str, torch.Tensor] = {}
         pending: dict[str, WeightConverter] = {}
         for key in sorted(tensors, key=dot_natural_key):
@@ -93,7 +96,13 @@ class WeightMapper:
         for name, converter in pending.items():
             for target, value in converter.convert(name, model=self._model, config=self._model.config).items():
                 out[target] = value[0] if isinstance(value, list) else value
-        return {name: t.to(self._expected[name].dtype) for name, t in out.items() if name in self._expected}
+        return {name: t if isinstance(t, QuantizedTensor) else t.to(self._expected[name].dtype)
+                for name, t in out.items() if name in self._expected}
+
+    def linear_weight(self, key: str, linear_weights: set[str]) -> str | None:
+        """The one of `linear_weights` that checkpoint key `key` becomes as it is (no converter), if any."""
+        renamed, pattern = self._rename(key)
+        return renamed if pattern is None and renamed in linear_weights else None
 
 
 class Slots:
@@ -119,11 +128,14 @@ class Slots:
         """Memory the filled slots take (the in-memory dtype, not the stored, maybe quantized, size)."""
         return sum(meta.numel() * meta.element_size() for _, _, meta in self._meta.values())
 
-    def fill(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Point every slot at its tensor (no copy)."""
+    def fill(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> None:
+        """Point every slot at its tensor (no copy); a packed weight goes to its Linear's `packed` and the
+        slot stays on meta."""
         for name, tensor in tensors.items():
             module, attr, meta = self._meta[name]
-            if attr in module._parameters:
+            if isinstance(tensor, QuantizedTensor):
+                module.packed = tensor
+            elif attr in module._parameters:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             else:
                 module._buffers[attr] = tensor
@@ -133,6 +145,7 @@ class Slots:
         for name, (module, attr, meta) in self._meta.items():
             if names is not None and name not in names:
                 continue
+            module.__dict__.pop("packed", None)
             if attr in module._parameters:
                 module._parameters[attr] = meta
             else:

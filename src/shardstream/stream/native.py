@@ -1,0 +1,68 @@
+"""Small C++ parts of the runtime, compiled with the system's compiler on first use.
+
+torch's allocator interface and hand-written SIMD kernels are C++, and building them at first use
+instead of at install time keeps shardstream installable and runnable on a machine without a
+compiler: each part then says in the INFO log what runs in its place. A library is built once per
+source, flags and torch version into `$XDG_CACHE_HOME/shardstream` (default `~/.cache/shardstream`),
+atomically, since a process beside us may be building it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def build(source: Path, flags: list[str], libraries: list[str], log: logging.Logger, what: str,
+          without: str) -> ctypes.CDLL | None:
+    """`source` compiled against torch's headers and `libraries` (e.g. "c10"), and loaded; None where it
+    cannot be, after an INFO line "`what`: off (why)[: `without`]" says what runs instead."""
+    torch_dir = Path(torch.__file__).parent
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if not target.exists():
+        compiler = find_compiler()
+        if compiler is None:
+            log.info("%s: off (no C++ compiler found; set CXX): %s", what, without)
+            return None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
+        except OSError as error:
+            log.info("%s: off (cannot write to %s: %s; set XDG_CACHE_HOME): %s", what, target.parent, error.strerror, without)
+            return None
+        os.close(handle)
+        command = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", *flags,
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                   f"-I{torch_dir / 'include'}", str(source), f"-L{torch_dir / 'lib'}",
+                   *(f"-l{name}" for name in libraries), f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", partial]
+        try:
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", None) or str(error)
+            log.info("%s: off (building %s failed: %s): %s", what, source.name,
+                     (detail.strip().splitlines() or [""])[-1], without)
+            Path(partial).unlink(missing_ok=True)
+            return None
+        os.replace(partial, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as error:
+        log.info("%s: off (cannot load %s: %s): %s", what, target, error, without)
+        return None
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardstream"

@@ -1,0 +1,150 @@
+"""4-bit products from the codes (stream/nf4.py): the kernel against dequantize-then-`F.linear`, a row's
+bits the same in any batch, and a 4-bit store's Linears kept packed, streamed and resident, never
+dequantized; where the kernel cannot run, weights are dequantized as before and the log says why."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardstream import quant
+from shardstream.convert import convert
+from shardstream.stream import AutoModel, nf4
+from shardstream.stream.native import find_compiler
+from tiny_models import save_checkpoint
+
+needs_kernel = pytest.mark.skipif(not nf4.available(), reason="no AVX-512 or no C++ compiler: the kernel is off here")
+
+
+def _packed(out_features: int, in_features: int, blocksize: int, seed: int = 0) -> quant.QuantizedTensor:
+    torch.manual_seed(seed)
+    return quant.quantize(torch.randn(out_features, in_features) * 0.05, "4bit", blocksize)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features,blocksize", [(40, 96, 64), (67, 32, 16), (13, 256, 128)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, 33])
+def test_the_kernel_matches_the_dequantized_product_and_a_row_keeps_its_bits_in_any_batch(
+        out_features, in_features, blocksize, rows):
+    weight = _packed(out_features, in_features, blocksize)
+    assert nf4.packable(weight.meta)
+    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    got = nf4.linear(x, weight, bias)
+    assert got.shape == (rows, out_features)
+    assert (got - F.linear(x, dense, bias)).abs().max().item() <= 1e-5
+    alone = torch.cat([nf4.linear(x[i:i + 1], weight, bias) for i in range(rows)])
+    assert torch.equal(got, alone)   # rows 1-5 decode in registers, from 8 on through a buffer
+    in_a_bigger_batch = nf4.linear(torch.cat([torch.randn(3, in_features), x]), weight, bias)[3:]
+    assert torch.equal(got, in_a_bigger_batch)
+
+
+@needs_kernel
+def test_the_kernel_takes_any_leading_shape_and_strided_rows():
+    weight = _packed(24, 64, 64)
+    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(24, 64)
+    x = torch.randn(2, 5, 128)[..., ::2]   # last dimension strided
+    got = nf4.linear(x, weight, None)
+    assert got.shape == (2, 5, 24)
+    assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5
+    half = nf4.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
+    assert half.dtype == torch.bfloat16
+
+
+def test_what_the_kernel_cannot_take_is_not_packed():
+    four_bit = _packed(16, 64, 64).meta
+    assert not nf4.packable(None)
+    assert not nf4.packable(quant.quantize(torch.randn(16, 64), "8bit").meta)
+    assert not nf4.packable({**four_bit, "dtype": "bfloat16"})
+    assert not nf4.packable(quant.quantize(torch.randn(16, 40), "4bit", 64).meta)   # rows not whole 16-value chunks
+    assert not nf4.packable(quant.quantize(torch.randn(1024), "4bit", 64).meta)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nf4")
+    save_checkpoint("llama", folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", compression="4bit", progress=False)
+    return folder / "store"
+
+
+def _linear_dequantizations(monkeypatch) -> list[list[int]]:
+    """The shapes of the matrices `quant.dequantize` is asked for from now on."""
+    shapes: list[list[int]] = []
+    real = quant.dequantize
+
+    def dequantize(data, absmax, meta, out=None):
+        if len(meta["shape"]) == 2:
+            shapes.append(meta["shape"])
+        return real(data, absmax, meta, out)
+
+    monkeypatch.setattr(quant, "dequantize", dequantize)
+    return shapes
+
+
+@needs_kernel
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_a_4bit_store_keeps_its_linears_packed_streamed_and_resident(store, monkeypatch, direct):
+    monkeypatch.setenv("SHARDSTREAM_DIRECT_IO", direct)
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(1))
+    with AutoModel.from_pretrained(store, max_resident_memory=0) as streamed, torch.no_grad():
+        dequantized = _linear_dequantizations(monkeypatch)
+        want = streamed(ids).logits
+        alone = torch.cat([streamed(ids[i:i + 1]).logits for i in range(len(ids))])
+        assert dequantized == []
+        blocks = streamed.store.num_layers
+        assert len(streamed._loader.packed_keys) == 7 * blocks + 1   # q, k, v, o, gate, up, down; the head
+    assert (want - alone).abs().max().item() <= 1e-5   # attention's kernels may round a batch differently
+    with AutoModel.from_pretrained(store, max_resident_memory=None) as resident, torch.no_grad():
+        assert resident.resident_blocks == list(range(blocks))
+        assert torch.equal(resident(ids).logits, want)
+        assert dequantized == [list(resident.model.get_input_embeddings().weight.shape)]   # the head stays packed too
+
+
+@needs_kernel
+def test_resident_4bit_blocks_take_their_stored_size(store):
+    from shardstream.store import open_store
+
+    manifest = open_store(store).manifest
+    stored = sum(manifest.files[f].size for p, rec in manifest.parts.items() if p.startswith("mid/") for f in rec.files)
+    with AutoModel.from_pretrained(store, max_resident_memory=int(stored * 1.2)) as model:
+        assert model.resident_blocks == list(range(model.store.num_layers))   # dequantized they take 7x more
+
+
+def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, caplog):
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
+        packed = model(ids).logits
+    monkeypatch.setenv(nf4.SWITCH, "0")
+    nf4._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="shardstream.stream"):
+            with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
+                dequantized = _linear_dequantizations(monkeypatch)
+                assert model._loader.packed_keys == frozenset()
+                plain = model(ids).logits
+                assert dequantized
+        assert f"4-bit kernel: off ({nf4.SWITCH}=0)" in caplog.text
+    finally:
+        nf4._library.cache_clear()
+    assert (packed - plain).abs().max().item() <= 1e-5
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler")
+def test_without_a_working_compiler_the_kernel_is_off_and_says_why(tmp_path):
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "from shardstream.stream import nf4; print(nf4.available())")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert "4-bit kernel: off (building nf4.cpp failed" in run.stderr
+        assert "dequantized on every pass" in run.stderr
