@@ -5,9 +5,10 @@ again per token on the reference model (hidden 1024, 16 blocks), which made one 
 store bound by dequantization (0.128 of its 0.153 s per token on 2 cores), not by its 104 MB of
 reads. `nf4.cpp` decodes 16 weights at a time in registers (a 16-entry table lookup and one
 multiply, the same float32 values dequantization writes) and multiplies them in at once. Measured
-on 2 cores (AMD EPYC, AVX-512), one 2816 x 1024 weight, against dequantizing it then `F.linear`:
-1 row 0.19 ms against 3.1 ms; 8 rows 0.66 against 2.8; 32 rows 1.9 against 4.2; 1024 rows 46 against
-48 ms (MKL's product alone: 47 ms). So it serves every row count.
+on 2 cores (AMD EPYC, AVX-512), one 2816 x 1024 weight, against dequantizing it (bitsandbytes' kernel,
+into a reused buffer) then the product the runtime ran on it: 1 row 0.19 ms against 0.67; 8 rows 0.43
+against 1.76; 32 rows 1.40 against 4.23; 256 rows 8.3 against 9.9; 1024 rows 34 against 33 (the
+product alone: 0.24, 1.43, 1.63, 8.6 and 35 ms). So it serves every row count.
 
 Each output is one sum in a fixed order whatever the number of rows (see nf4.cpp): a row's product
 is the same bits alone or in any batch, and differs from dequantize-then-`F.linear` only in rounding
@@ -34,7 +35,7 @@ log = logging.getLogger("shardstream.stream")
 
 SOURCE = Path(__file__).with_name("nf4.cpp")
 SWITCH = "SHARDSTREAM_NF4_KERNEL"
-BUFFER_ROWS = 8   # from this many rows on, a column group decodes its weights once into a buffer
+BUFFER_ROWS = 32   # from this many rows on, a column group decodes its weights once into a buffer
 _TABLE = quant.NF4_CODE.contiguous()
 
 
