@@ -19,7 +19,7 @@ from shardstream.stream import AutoModel, nf4
 from shardstream.stream.native import find_compiler
 from tiny_models import save_checkpoint
 
-needs_kernel = pytest.mark.skipif(not nf4.available(), reason="no AVX-512 or no C++ compiler: the kernel is off here")
+needs_kernel = pytest.mark.skipif(not nf4.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 
 
 def _packed(out_features: int, in_features: int, blocksize: int, seed: int = 0) -> quant.QuantizedTensor:
@@ -56,6 +56,35 @@ def test_the_kernel_takes_any_leading_shape_and_strided_rows():
     assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5
     half = nf4.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
     assert half.dtype == torch.bfloat16
+
+
+AVX2_CHECK = """
+import torch, torch.nn.functional as F
+from shardstream import quant
+from shardstream.stream import nf4
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and nf4.available()
+torch.manual_seed(0)
+for out_features, in_features, blocksize in [(40, 96, 64), (67, 32, 16)]:
+    weight = quant.quantize(torch.randn(out_features, in_features) * 0.05, "4bit", blocksize)
+    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
+    for rows in (1, 2, 3, 4, 7, 32, 33):
+        x = torch.randn(rows, in_features)
+        got = nf4.linear(x, weight, None)
+        assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5, (out_features, rows)
+        assert torch.equal(got, torch.cat([nf4.linear(x[i:i + 1], weight, None) for i in range(rows)]))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or find_compiler() is None,
+                    reason="no AVX2 here, or no compiler")
+def test_the_avx2_build_gives_the_same_products(tmp_path):
+    """Where torch reports AVX2 (forced here with ATEN_CPU_CAPABILITY on an AVX-512 machine), the kernel is
+    built for 8-lane vectors, with the same guarantees."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "XDG_CACHE_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "ok"
 
 
 def test_what_the_kernel_cannot_take_is_not_packed():
@@ -145,6 +174,6 @@ def test_without_a_working_compiler_the_kernel_is_off_and_says_why(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+    if torch.backends.cpu.get_cpu_capability() in nf4.ISA_FLAGS:
         assert "4-bit kernel: off (building nf4.cpp failed" in run.stderr
         assert "dequantized on every pass" in run.stderr

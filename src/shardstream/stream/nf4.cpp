@@ -3,43 +3,96 @@
 // W is N x K, stored flat in bitsandbytes' layout: two codes a byte (the first in the high nibble),
 // one float32 absmax per `blocksize` values, value = table[code] * absmax, the same float32 product
 // that dequantization writes. Every output y[m][n] is one sum, always in the same order whatever the
-// number of rows: 16 lanes accumulate x[m][k] * W[n][k] over k with fused multiply-adds, k ascending,
-// then `_mm512_reduce_add_ps` adds the lanes. So a row gives the same bits alone or in any batch.
+// number of rows: each lane accumulates x[m][k] * W[n][k] over its k with fused multiply-adds, k
+// ascending, then the lanes are added in a fixed tree. So a row gives the same bits alone or in any batch.
 //
-// Work is split over torch's threads by groups of 4 output columns. For a few rows, each group decodes
-// its weights into registers; from `buffer_rows` rows on, it decodes the group's 4 x K weights once
-// into a small buffer, then every row reads them from L1/L2 (6 rows x 4 columns of accumulators).
-// Needs AVX-512F; K and blocksize multiples of 16.
+// Work is split over torch's threads by groups of output columns. For fewer than `buffer_rows` rows,
+// each group decodes its weights into registers; from then on, it decodes the group's weights once
+// into a small buffer, then every row reads them from L1/L2. Built for AVX-512F (16 lanes, tiles of 6
+// rows x 4 columns) or, where the CPU has no AVX-512, AVX2 + FMA (8 lanes, 16-entry lookup as two
+// 8-entry ones, 3 x 3 tiles): nf4.py picks the flags. K and blocksize are multiples of 16.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int kColumns = 4;
 constexpr int kRows = 6;
+constexpr int kLanes = 16;
+using Vec = __m512;
+
+struct Table {
+  __m512 values;
+  explicit Table(const float* table16) : values(_mm512_loadu_ps(table16)) {}
+};
 
 // 16 values from 8 bytes of codes: the nibbles in order, looked up in the 16-entry table, times the scale.
-inline __m512 decode16(const uint8_t* bytes, __m512 table, __m512 scale) {
+inline Vec decode(const uint8_t* bytes, const Table& table, Vec scale) {
   __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   __m128i high = _mm_srli_epi16(packed, 4);              // each byte's high nibble in its low 4 bits
   __m128i pairs = _mm_unpacklo_epi8(high, packed);       // high0 low0 high1 low1 ... (low 4 bits count)
   __m512i index = _mm512_cvtepu8_epi32(pairs);           // permutexvar reads only the low 4 bits
-  return _mm512_mul_ps(_mm512_permutexvar_ps(index, table), scale);
+  return _mm512_mul_ps(_mm512_permutexvar_ps(index, table.values), scale);
 }
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int kColumns = 3;
+constexpr int kRows = 3;
+constexpr int kLanes = 8;
+using Vec = __m256;
+
+struct Table {
+  __m256 low, high;   // entries 0-7 and 8-15
+  explicit Table(const float* table16) : low(_mm256_loadu_ps(table16)), high(_mm256_loadu_ps(table16 + 8)) {}
+};
+
+// 8 values from 4 bytes of codes; bit 3 of each code picks the half of the table.
+inline Vec decode(const uint8_t* bytes, const Table& table, Vec scale) {
+  int32_t word;
+  std::memcpy(&word, bytes, sizeof word);
+  __m128i packed = _mm_cvtsi32_si128(word);
+  __m128i high = _mm_srli_epi16(packed, 4);
+  __m128i pairs = _mm_unpacklo_epi8(high, packed);
+  __m256i index = _mm256_cvtepu8_epi32(pairs);           // permutevar8x32 reads only the low 3 bits
+  __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));   // bit 3 as the sign: blendv's choice
+  __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(table.low, index),
+                                  _mm256_permutevar8x32_ps(table.high, index), upper);
+  return _mm256_mul_ps(value, scale);
+}
+
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 struct Weight {
   const uint8_t* codes;
   const float* absmax;
   int64_t K;
   int64_t blocksize;
-  __m512 table;
+  Table table;
 
-  inline __m512 chunk(int64_t n, int64_t k) const {
+  inline Vec chunk(int64_t n, int64_t k) const {
     const int64_t flat = n * K + k;
-    return decode16(codes + flat / 2, table, _mm512_set1_ps(absmax[flat / blocksize]));
+    return decode(codes + flat / 2, table, broadcast(absmax[flat / blocksize]));
   }
 };
 
@@ -47,29 +100,29 @@ struct Weight {
 struct FromCodes {
   const Weight& w;
   int64_t n0;
-  inline __m512 operator()(int c, int64_t k) const { return w.chunk(n0 + c, k); }
+  inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c, k); }
 };
 struct FromBuffer {
   const float* buffer;
   int64_t K;
-  inline __m512 operator()(int c, int64_t k) const { return _mm512_loadu_ps(buffer + c * K + k); }
+  inline Vec operator()(int c, int64_t k) const { return load(buffer + c * K + k); }
 };
 
 template <int R, int C, class Source>
 void tile(const float* x, int64_t xs, const Source& source, int64_t K, float* y, int64_t ys) {
-  __m512 acc[R][C];
+  Vec acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 w[C];
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Vec w[C];
     for (int c = 0; c < C; ++c) w[c] = source(c, k);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * xs + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+      const Vec xv = load(x + r * xs + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, w[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ys + c] = _mm512_reduce_add_ps(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[r * ys + c] = sum(acc[r][c]);
 }
 
 // All M rows against C columns (y and source start at the group's first column).
@@ -79,12 +132,12 @@ void rows(const float* x, int64_t M, int64_t xs, const Source& source, int64_t K
   for (; m + kRows <= M; m += kRows) tile<kRows, C>(x + m * xs, xs, source, K, y + m * ys, ys);
   x += m * xs;
   y += m * ys;
-  switch (M - m) {
+  switch (M - m) {   // the last M % kRows rows (kRows is at most 6)
     case 1: tile<1, C>(x, xs, source, K, y, ys); break;
     case 2: tile<2, C>(x, xs, source, K, y, ys); break;
-    case 3: tile<3, C>(x, xs, source, K, y, ys); break;
-    case 4: tile<4, C>(x, xs, source, K, y, ys); break;
-    case 5: tile<5, C>(x, xs, source, K, y, ys); break;
+    case 3: if constexpr (kRows > 3) tile<3, C>(x, xs, source, K, y, ys); break;
+    case 4: if constexpr (kRows > 4) tile<4, C>(x, xs, source, K, y, ys); break;
+    case 5: if constexpr (kRows > 5) tile<5, C>(x, xs, source, K, y, ys); break;
     default: break;
   }
 }
@@ -95,20 +148,20 @@ void rows(const float* x, int64_t M, int64_t xs, const Source& source, int64_t K
 extern "C" void nf4_linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes,
                            const float* absmax, int64_t N, int64_t blocksize, const float* table16, float* y,
                            int64_t ys, int64_t buffer_rows) {
-  const Weight w{codes, absmax, K, blocksize, _mm512_loadu_ps(table16)};
+  const Weight w{codes, absmax, K, blocksize, Table(table16)};
   const int64_t groups = N / kColumns;
   const int64_t leftover = N % kColumns;
   at::parallel_for(0, groups + leftover, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(M >= buffer_rows ? kColumns * K : 0);
     for (int64_t g = begin; g < end; ++g) {
-      if (g >= groups) {  // the last N % 4 columns, one at a time
+      if (g >= groups) {  // the last N % kColumns columns, one at a time
         const int64_t n = groups * kColumns + (g - groups);
         rows<1>(x, M, xs, FromCodes{w, n}, K, y + n, ys);
       } else if (buffer.empty()) {
         rows<kColumns>(x, M, xs, FromCodes{w, g * kColumns}, K, y + g * kColumns, ys);
       } else {
         for (int c = 0; c < kColumns; ++c)
-          for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buffer.data() + c * K + k, w.chunk(g * kColumns + c, k));
+          for (int64_t k = 0; k < K; k += kLanes) store(buffer.data() + c * K + k, w.chunk(g * kColumns + c, k));
         rows<kColumns>(x, M, xs, FromBuffer{buffer.data(), K}, K, y + g * kColumns, ys);
       }
     }
