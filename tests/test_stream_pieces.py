@@ -20,7 +20,7 @@ from shardstream.convert import convert
 from shardstream.errors import StoreCorrupt
 from shardstream.shard import place_experts
 from shardstream.store import open_store
-from shardstream.stream import StreamingModel, pieces
+from shardstream.stream import StreamingModel, pieces, quant_linear
 from shardstream.stream.direct import ENV
 from tiny_models import CONFIGS, save_checkpoint
 
@@ -192,15 +192,24 @@ def test_a_batch_engines_model_streams_smaller_pieces(tmp_path, monkeypatch):
     assert counts == {1: {3}, 4: {8}}   # piece 0, attention's Linears, the MLP's; or piece 0 and each Linear
 
 
+@pytest.fixture
+def dequantizing(monkeypatch):
+    """Quantized Linears dequantized on every pass, as without the kernel (quant_linear.py)."""
+    monkeypatch.setenv(quant_linear.SWITCH, "0")
+    quant_linear._library.cache_clear()
+    yield
+    quant_linear._library.cache_clear()
+
+
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monkeypatch, mode):
+def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monkeypatch, mode, dequantizing):
     """A pass of COMPUTE_BOUND_ROWS token rows or more dequantizes its quantized pieces where it computes,
     a smaller one on the readers; both give the same logits, mapped and O_DIRECT, and every buffer of
     a deferred piece still goes back to the pool (the count stays at the pieces in flight)."""
     from shardstream import quant
     from shardstream.stream import model as streaming
 
-    _, store = _store(tmp_path, compression="8bit")   # 4-bit Linears stay packed (nf4.py)
+    _, store = _store(tmp_path, compression="4bit")
     monkeypatch.setenv(ENV, mode)
     threads: list[str] = []
     real = quant.dequantize
@@ -230,14 +239,15 @@ def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monk
     assert torch.equal(deferred, in_readers)
 
 
-def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_back(tmp_path, monkeypatch):
+def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_back(tmp_path, monkeypatch,
+                                                                                  dequantizing):
     """An error while a compute-bound pass dequantizes a piece reaches the caller, and the piece goes
     back as a failed read does (its buffers to the pool, its slot to the readers): only the pieces of the
     block the pass stopped in stay handed out (until the next pass empties it, as for any aborted pass),
     and the next pass gives the same logits with no more buffers."""
     from shardstream import quant
 
-    _, store = _store(tmp_path, compression="8bit")   # 4-bit Linears stay packed (nf4.py)
+    _, store = _store(tmp_path, compression="4bit")
     monkeypatch.setenv(ENV, "on")
     many = IDS.repeat(2, 2)
     with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():

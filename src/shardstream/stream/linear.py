@@ -10,7 +10,7 @@ matrix-vector product either way and keeps `F.linear`. The sums are the same dot
 bit for bit from about 10 rows here, within rounding (~1e-6) below, as a batch already differs
 from a row alone.
 
-A 4-bit weight kept packed (nf4.py) is multiplied from its codes instead, at every row count.
+A quantized weight kept packed (quant_linear.py) is multiplied from its codes instead, at every row count.
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import quant
-from . import nf4
+from . import quant_linear
 
 FEW_ROWS = range(2, 129)
 
 
 class FewRowsLinear(nn.Linear):
     """`nn.Linear` whose float32 CPU products of 2-128 rows run as W @ xᵀ (see the module docstring), or
-    from the 4-bit codes of `packed` while a streamed block has them in place (its `weight` stays on meta)."""
+    from the codes of `packed` (a quantized store's weight) while its block is in place (`weight` stays on meta)."""
 
     packed: quant.QuantizedTensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return nf4.linear(x, self.packed, self.bias)
+            return quant_linear.linear(x, self.packed, self.bias)
         weight = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in FEW_ROWS or weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu":
@@ -52,6 +52,6 @@ def use_few_rows_linear(model: nn.Module) -> None:
 
 
 def packable_weights(model: nn.Module) -> set[str]:
-    """Parameter names of the float32 FewRowsLinear weights: those a 4-bit store may hand over packed."""
+    """Parameter names of the float32 FewRowsLinear weights: those a quantized store may hand over packed."""
     return {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, FewRowsLinear) and module.weight.dtype == torch.float32}

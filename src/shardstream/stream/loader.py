@@ -17,7 +17,7 @@ from ..store import Store
 from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
 from .mapped import cool, map_part, map_ranges, spans, verify_mapped
-from .nf4 import packable
+from .quant_linear import packable
 from .pieces import Piece
 from .weights import WeightMapper
 
@@ -87,8 +87,8 @@ class BlockLoader:
 
     A quantized piece is dequantized by the reader while `decode_in_reader` holds, else by the thread
     that computes with it (`LoadedBlock.wait`); the model sets it per pass (see model.COMPUTE_BOUND_ROWS).
-    Its 4-bit Linear weights are not dequantized at all where `pack_linear_weights` marked them: they
-    go to the model as the codes read (nf4.py).
+    Its Linear weights are not dequantized at all where `pack_linear_weights` marked them: they
+    go to the model as the codes read (quant_linear.py).
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
@@ -161,8 +161,8 @@ class BlockLoader:
         return pinned
 
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
-        """Hand the 4-bit weights of these Linears (parameter names) over packed, where the kernel runs
-        (nf4.packable) and on the CPU; not a tensor that a tied weight shares (an embedding needs its
+        """Hand the quantized weights of these Linears (parameter names) over packed, where the kernel runs
+        (quant_linear.packable) and on the CPU; not a tensor that a tied weight shares (an embedding needs its
         values). Call before reading anything."""
         if self.device.type != "cpu":
             return

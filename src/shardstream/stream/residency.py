@@ -95,7 +95,7 @@ def batch_resident_budget(max_resident_memory: str, batch_size: int, device: tor
     more requests share every pass, and a full batch is bound by compute, not reads (under a 600 MiB
     cap on the reference model, half of `auto` kept 3 blocks: 147 MiB, the KV caches of 24 requests of
     49 tokens, and held 32 concurrent requests to 30 (fp32) and 21 (4-bit, whose resident blocks are
-    then fp32 in memory but saved only a 6.5 MB read each; they now stay packed, nf4.py); a quarter keeps 1)."""
+    then fp32 in memory but saved only a 6.5 MB read each; they now stay packed, quant_linear.py); a quarter keeps 1)."""
     if max_resident_memory != "auto" or batch_size == 1:
         return max_resident_memory
     return str(int(resolve_budget("auto", 0, device) * BATCH_RESIDENT_SHARE))

@@ -80,7 +80,7 @@ class WeightMapper:
         return names & self._expected.keys()
 
     def convert(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor | QuantizedTensor]:
-        """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}; packed 4-bit
+        """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}; packed quantized
         weights (only ever asked for where `linear_weight` names one) pass as they are."""
         out: dict[str, torch.Tensor] = {}
         pending: dict[str, WeightConverter] = {}

@@ -1,16 +1,18 @@
-// y = x @ Wᵀ for a 4-bit NF4 weight W, decoded 16 values at a time inside the product (see nf4.py).
+// y = x @ Wᵀ for a quantized weight W, decoded 16 values at a time inside the product (see quant_linear.py).
 //
-// W is N x K, stored flat in bitsandbytes' layout: two codes a byte (the first in the high nibble),
-// one float32 absmax per `blocksize` values, value = table[code] * absmax, the same float32 product
-// that dequantization writes. Every output y[m][n] is one sum, always in the same order whatever the
-// number of rows: each lane accumulates x[m][k] * W[n][k] over its k with fused multiply-adds, k
-// ascending, then the lanes are added in a fixed tree. So a row gives the same bits alone or in any batch.
+// W is N x K, stored flat in bitsandbytes' layout: 4-bit NF4, two codes a byte (the first in the high
+// nibble), or 8-bit, one code a byte; one float32 absmax per `blocksize` values; value = table[code] *
+// absmax, the same float32 product that dequantization writes. Every output y[m][n] is one sum, always
+// in the same order whatever the number of rows: each lane accumulates x[m][k] * W[n][k] over its k
+// with fused multiply-adds, k ascending, then the lanes are added in a fixed tree. So a row gives the
+// same bits alone or in any batch.
 //
 // Work is split over torch's threads by groups of output columns. For fewer than `buffer_rows` rows,
 // each group decodes its weights into registers; from then on, it decodes the group's weights once
 // into a small buffer, then every row reads them from L1/L2. Built for AVX-512F (16 lanes, tiles of 6
-// rows x 4 columns) or, where the CPU has no AVX-512, AVX2 + FMA (8 lanes, 16-entry lookup as two
-// 8-entry ones, 3 x 3 tiles): nf4.py picks the flags. K and blocksize are multiples of 16.
+// rows x 4 columns) or, where the CPU has no AVX-512, AVX2 + FMA (8 lanes, 3 x 3 tiles): quant_linear.py
+// picks the flags. A 4-bit code is looked up in registers (AVX2: two 8-entry halves), an 8-bit one
+// gathered from its 256-entry table. K and blocksize are multiples of 16.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -27,17 +29,24 @@ constexpr int kLanes = 16;
 using Vec = __m512;
 
 struct Table {
-  __m512 values;
-  explicit Table(const float* table16) : values(_mm512_loadu_ps(table16)) {}
+  const float* entries;   // 16 (4-bit) or 256 (8-bit)
+  __m512 values;          // 4-bit: all 16 entries in one register
+  explicit Table(const float* table) : entries(table), values(_mm512_loadu_ps(table)) {}
 };
 
-// 16 values from 8 bytes of codes: the nibbles in order, looked up in the 16-entry table, times the scale.
-inline Vec decode(const uint8_t* bytes, const Table& table, Vec scale) {
+// 16 values from 8 bytes of 4-bit codes: the nibbles in order, looked up in the table, times the scale.
+inline Vec decode4(const uint8_t* bytes, const Table& table, Vec scale) {
   __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   __m128i high = _mm_srli_epi16(packed, 4);              // each byte's high nibble in its low 4 bits
   __m128i pairs = _mm_unpacklo_epi8(high, packed);       // high0 low0 high1 low1 ... (low 4 bits count)
   __m512i index = _mm512_cvtepu8_epi32(pairs);           // permutexvar reads only the low 4 bits
   return _mm512_mul_ps(_mm512_permutexvar_ps(index, table.values), scale);
+}
+
+// 16 values from 16 bytes of 8-bit codes.
+inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
+  __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  return _mm512_mul_ps(_mm512_i32gather_ps(index, table.entries, 4), scale);
 }
 
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -53,12 +62,13 @@ constexpr int kLanes = 8;
 using Vec = __m256;
 
 struct Table {
-  __m256 low, high;   // entries 0-7 and 8-15
-  explicit Table(const float* table16) : low(_mm256_loadu_ps(table16)), high(_mm256_loadu_ps(table16 + 8)) {}
+  const float* entries;   // 16 (4-bit) or 256 (8-bit)
+  __m256 low, high;       // 4-bit: entries 0-7 and 8-15
+  explicit Table(const float* table) : entries(table), low(_mm256_loadu_ps(table)), high(_mm256_loadu_ps(table + 8)) {}
 };
 
-// 8 values from 4 bytes of codes; bit 3 of each code picks the half of the table.
-inline Vec decode(const uint8_t* bytes, const Table& table, Vec scale) {
+// 8 values from 4 bytes of 4-bit codes; bit 3 of each code picks the half of the table.
+inline Vec decode4(const uint8_t* bytes, const Table& table, Vec scale) {
   int32_t word;
   std::memcpy(&word, bytes, sizeof word);
   __m128i packed = _mm_cvtsi32_si128(word);
@@ -69,6 +79,12 @@ inline Vec decode(const uint8_t* bytes, const Table& table, Vec scale) {
   __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(table.low, index),
                                   _mm256_permutevar8x32_ps(table.high, index), upper);
   return _mm256_mul_ps(value, scale);
+}
+
+// 8 values from 8 bytes of 8-bit codes.
+inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
+  __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(table.entries, index, 4), scale);
 }
 
 inline Vec zero() { return _mm256_setzero_ps(); }
@@ -83,6 +99,7 @@ inline float sum(Vec v) {
 }
 #endif
 
+template <int Bits>
 struct Weight {
   const uint8_t* codes;
   const float* absmax;
@@ -92,13 +109,16 @@ struct Weight {
 
   inline Vec chunk(int64_t n, int64_t k) const {
     const int64_t flat = n * K + k;
-    return decode(codes + flat / 2, table, broadcast(absmax[flat / blocksize]));
+    const Vec scale = broadcast(absmax[flat / blocksize]);
+    if constexpr (Bits == 4) return decode4(codes + flat / 2, table, scale);
+    else return decode8(codes + flat, table, scale);
   }
 };
 
 // Where a tile's weights come from: decoded on the fly, or from a group's decoded buffer.
+template <class W>
 struct FromCodes {
-  const Weight& w;
+  const W& w;
   int64_t n0;
   inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c, k); }
 };
@@ -142,13 +162,11 @@ void rows(const float* x, int64_t M, int64_t xs, const Source& source, int64_t K
   }
 }
 
-}  // namespace
-
-// x: M rows of K floats, `xs` apart; y: M rows of N floats, `ys` apart.
-extern "C" void nf4_linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes,
-                           const float* absmax, int64_t N, int64_t blocksize, const float* table16, float* y,
-                           int64_t ys, int64_t buffer_rows) {
-  const Weight w{codes, absmax, K, blocksize, Table(table16)};
+template <int Bits>
+void linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax, int64_t N,
+            int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
+  using W = Weight<Bits>;
+  const W w{codes, absmax, K, blocksize, Table(table)};
   const int64_t groups = N / kColumns;
   const int64_t leftover = N % kColumns;
   at::parallel_for(0, groups + leftover, 1, [&](int64_t begin, int64_t end) {
@@ -156,9 +174,9 @@ extern "C" void nf4_linear(const float* x, int64_t M, int64_t K, int64_t xs, con
     for (int64_t g = begin; g < end; ++g) {
       if (g >= groups) {  // the last N % kColumns columns, one at a time
         const int64_t n = groups * kColumns + (g - groups);
-        rows<1>(x, M, xs, FromCodes{w, n}, K, y + n, ys);
+        rows<1>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);
       } else if (buffer.empty()) {
-        rows<kColumns>(x, M, xs, FromCodes{w, g * kColumns}, K, y + g * kColumns, ys);
+        rows<kColumns>(x, M, xs, FromCodes<W>{w, g * kColumns}, K, y + g * kColumns, ys);
       } else {
         for (int c = 0; c < kColumns; ++c)
           for (int64_t k = 0; k < K; k += kLanes) store(buffer.data() + c * K + k, w.chunk(g * kColumns + c, k));
@@ -166,4 +184,14 @@ extern "C" void nf4_linear(const float* x, int64_t M, int64_t K, int64_t xs, con
       }
     }
   });
+}
+
+}  // namespace
+
+// x: M rows of K floats, `xs` apart; y: M rows of N floats, `ys` apart; `bits`: 4 or 8.
+extern "C" void quant_linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes,
+                             const float* absmax, int64_t N, int64_t blocksize, const float* table, float* y,
+                             int64_t ys, int64_t buffer_rows, int64_t bits) {
+  if (bits == 4) linear<4>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  else linear<8>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
 }

@@ -1,6 +1,7 @@
-"""4-bit products from the codes (stream/nf4.py): the kernel against dequantize-then-`F.linear`, a row's
-bits the same in any batch, and a 4-bit store's Linears kept packed, streamed and resident, never
-dequantized; where the kernel cannot run, weights are dequantized as before and the log says why."""
+"""Products from quantized codes (stream/quant_linear.py): the kernel against dequantize-then-`F.linear`,
+4-bit and 8-bit, a row's bits the same in any batch, and a quantized store's Linears kept packed,
+streamed and resident, never dequantized; where the kernel cannot run, weights are dequantized as
+before and the log says why."""
 
 from __future__ import annotations
 
@@ -15,34 +16,35 @@ import torch.nn.functional as F
 
 from shardstream import quant
 from shardstream.convert import convert
-from shardstream.stream import AutoModel, nf4
+from shardstream.stream import AutoModel, quant_linear
 from shardstream.stream.native import find_compiler
 from tiny_models import save_checkpoint
 
-needs_kernel = pytest.mark.skipif(not nf4.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
+needs_kernel = pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 
 
-def _packed(out_features: int, in_features: int, blocksize: int, seed: int = 0) -> quant.QuantizedTensor:
-    torch.manual_seed(seed)
-    return quant.quantize(torch.randn(out_features, in_features) * 0.05, "4bit", blocksize)
+def _packed(out_features: int, in_features: int, blocksize: int, method: str = "4bit") -> quant.QuantizedTensor:
+    torch.manual_seed(0)
+    return quant.quantize(torch.randn(out_features, in_features) * 0.05, method, blocksize)
 
 
 @needs_kernel
+@pytest.mark.parametrize("method", ["4bit", "8bit"])
 @pytest.mark.parametrize("out_features,in_features,blocksize", [(40, 96, 64), (67, 32, 16), (13, 256, 128)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, 31, 32, 33])
 def test_the_kernel_matches_the_dequantized_product_and_a_row_keeps_its_bits_in_any_batch(
-        out_features, in_features, blocksize, rows):
-    weight = _packed(out_features, in_features, blocksize)
-    assert nf4.packable(weight.meta)
+        out_features, in_features, blocksize, rows, method):
+    weight = _packed(out_features, in_features, blocksize, method)
+    assert quant_linear.packable(weight.meta)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
     bias = torch.randn(out_features)
     x = torch.randn(rows, in_features)
-    got = nf4.linear(x, weight, bias)
+    got = quant_linear.linear(x, weight, bias)
     assert got.shape == (rows, out_features)
     assert (got - F.linear(x, dense, bias)).abs().max().item() <= 1e-5
-    alone = torch.cat([nf4.linear(x[i:i + 1], weight, bias) for i in range(rows)])
-    assert torch.equal(got, alone)   # one row decodes in registers; from nf4.BUFFER_ROWS on, through a buffer
-    in_a_bigger_batch = nf4.linear(torch.cat([torch.randn(3, in_features), x]), weight, bias)[3:]
+    alone = torch.cat([quant_linear.linear(x[i:i + 1], weight, bias) for i in range(rows)])
+    assert torch.equal(got, alone)   # one row decodes in registers; from quant_linear.BUFFER_ROWS on, through a buffer
+    in_a_bigger_batch = quant_linear.linear(torch.cat([torch.randn(3, in_features), x]), weight, bias)[3:]
     assert torch.equal(got, in_a_bigger_batch)
 
 
@@ -51,27 +53,27 @@ def test_the_kernel_takes_any_leading_shape_and_strided_rows():
     weight = _packed(24, 64, 64)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(24, 64)
     x = torch.randn(2, 5, 128)[..., ::2]   # last dimension strided
-    got = nf4.linear(x, weight, None)
+    got = quant_linear.linear(x, weight, None)
     assert got.shape == (2, 5, 24)
     assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5
-    half = nf4.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
+    half = quant_linear.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
     assert half.dtype == torch.bfloat16
 
 
 AVX2_CHECK = """
 import torch, torch.nn.functional as F
 from shardstream import quant
-from shardstream.stream import nf4
-assert torch.backends.cpu.get_cpu_capability() == "AVX2" and nf4.available()
+from shardstream.stream import quant_linear
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and quant_linear.available()
 torch.manual_seed(0)
-for out_features, in_features, blocksize in [(40, 96, 64), (67, 32, 16)]:
-    weight = quant.quantize(torch.randn(out_features, in_features) * 0.05, "4bit", blocksize)
+for out_features, in_features, blocksize, method in [(40, 96, 64, "4bit"), (67, 32, 16, "4bit"), (40, 96, 32, "8bit")]:
+    weight = quant.quantize(torch.randn(out_features, in_features) * 0.05, method, blocksize)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
     for rows in (1, 2, 3, 4, 7, 32, 33):
         x = torch.randn(rows, in_features)
-        got = nf4.linear(x, weight, None)
+        got = quant_linear.linear(x, weight, None)
         assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5, (out_features, rows)
-        assert torch.equal(got, torch.cat([nf4.linear(x[i:i + 1], weight, None) for i in range(rows)]))
+        assert torch.equal(got, torch.cat([quant_linear.linear(x[i:i + 1], weight, None) for i in range(rows)]))
 print("ok")
 """
 
@@ -89,18 +91,18 @@ def test_the_avx2_build_gives_the_same_products(tmp_path):
 
 def test_what_the_kernel_cannot_take_is_not_packed():
     four_bit = _packed(16, 64, 64).meta
-    assert not nf4.packable(None)
-    assert not nf4.packable(quant.quantize(torch.randn(16, 64), "8bit").meta)
-    assert not nf4.packable({**four_bit, "dtype": "bfloat16"})
-    assert not nf4.packable(quant.quantize(torch.randn(16, 40), "4bit", 64).meta)   # rows not whole 16-value chunks
-    assert not nf4.packable(quant.quantize(torch.randn(1024), "4bit", 64).meta)
+    assert not quant_linear.packable(None)
+    assert quant_linear.packable(quant.quantize(torch.randn(16, 64), "8bit", 64).meta)
+    assert not quant_linear.packable({**four_bit, "dtype": "bfloat16"})
+    assert not quant_linear.packable(quant.quantize(torch.randn(16, 40), "4bit", 64).meta)   # rows not whole 16-value chunks
+    assert not quant_linear.packable(quant.quantize(torch.randn(1024), "4bit", 64).meta)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("nf4")
+@pytest.fixture(scope="module", params=["4bit", "8bit"])
+def store(tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp(request.param)
     save_checkpoint("llama", folder / "ckpt")
-    convert(folder / "ckpt", folder / "store", compression="4bit", progress=False)
+    convert(folder / "ckpt", folder / "store", compression=request.param, progress=False)
     return folder / "store"
 
 
@@ -120,7 +122,7 @@ def _linear_dequantizations(monkeypatch) -> list[list[int]]:
 
 @needs_kernel
 @pytest.mark.parametrize("direct", ["on", "off"])
-def test_a_4bit_store_keeps_its_linears_packed_streamed_and_resident(store, monkeypatch, direct):
+def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident(store, monkeypatch, direct):
     monkeypatch.setenv("SHARDSTREAM_DIRECT_IO", direct)
     ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(1))
     with AutoModel.from_pretrained(store, max_resident_memory=0) as streamed, torch.no_grad():
@@ -138,21 +140,21 @@ def test_a_4bit_store_keeps_its_linears_packed_streamed_and_resident(store, monk
 
 
 @needs_kernel
-def test_resident_4bit_blocks_take_their_stored_size(store):
+def test_resident_quantized_blocks_take_their_stored_size(store):
     from shardstream.store import open_store
 
     manifest = open_store(store).manifest
     stored = sum(manifest.files[f].size for p, rec in manifest.parts.items() if p.startswith("mid/") for f in rec.files)
     with AutoModel.from_pretrained(store, max_resident_memory=int(stored * 1.2)) as model:
-        assert model.resident_blocks == list(range(model.store.num_layers))   # dequantized they take 7x more
+        assert model.resident_blocks == list(range(model.store.num_layers))   # dequantized they take 3.5-7x more
 
 
 def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, caplog):
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
         packed = model(ids).logits
-    monkeypatch.setenv(nf4.SWITCH, "0")
-    nf4._library.cache_clear()
+    monkeypatch.setenv(quant_linear.SWITCH, "0")
+    quant_linear._library.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="shardstream.stream"):
             with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
@@ -160,20 +162,20 @@ def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, 
                 assert model._loader.packed_keys == frozenset()
                 plain = model(ids).logits
                 assert dequantized
-        assert f"4-bit kernel: off ({nf4.SWITCH}=0)" in caplog.text
+        assert f"quantized-weight kernel: off ({quant_linear.SWITCH}=0)" in caplog.text
     finally:
-        nf4._library.cache_clear()
+        quant_linear._library.cache_clear()
     assert (packed - plain).abs().max().item() <= 1e-5
 
 
 @pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler")
 def test_without_a_working_compiler_the_kernel_is_off_and_says_why(tmp_path):
     code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-            "from shardstream.stream import nf4; print(nf4.available())")
+            "from shardstream.stream import quant_linear; print(quant_linear.available())")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
-    if torch.backends.cpu.get_cpu_capability() in nf4.ISA_FLAGS:
-        assert "4-bit kernel: off (building nf4.cpp failed" in run.stderr
+    if torch.backends.cpu.get_cpu_capability() in quant_linear.ISA_FLAGS:
+        assert "quantized-weight kernel: off (building quant_linear.cpp failed" in run.stderr
         assert "dequantized on every pass" in run.stderr
