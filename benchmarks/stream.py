@@ -18,12 +18,12 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   median round: on a machine whose speed drifts, ratios of sizes measured minutes apart mislead.
   Each cell also gives the CPU time the hypervisor gave to other guests during each round
   (`steal` in /proc/stat, when 0.5% or more): a compute-bound batch slows by about that much.
-- quant4: serve and offline on a 4-bit store of the same checkpoint.
+- quant4, quant8: serve and offline on a 4-bit (8-bit) store of the same checkpoint.
 - speculative: `generate --prompt` plain and with `--draft`, on the demo pair with its target widened to
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
   computes the target's own function).
 
-Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4] [--repeat 3] [--rounds 3]` (root, for memcap).
+Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4,quant8] [--repeat 3] [--rounds 3]` (root, for memcap).
 """
 
 from __future__ import annotations
@@ -478,12 +478,12 @@ def convert_once(source: Path, store: Path) -> Path:
     return store
 
 
-def quantized_store(args, ckpt: Path) -> Path:
+def quantized_store(ckpt: Path, method: str) -> Path:
     from shardstream.convert import convert
 
-    store = ckpt.parent / "store-4bit"
+    store = ckpt.parent / f"store-{method}"
     if not (store / "manifest.json").exists():
-        convert(ckpt, store, compression="4bit", progress=False)
+        convert(ckpt, store, compression=method, progress=False)
     return store
 
 
@@ -510,8 +510,8 @@ def main() -> None:
     parser.add_argument("--workdir", default="artifacts/bench-stream")
     parser.add_argument("--cap", default="600M", help="memcap limit, page cache included (default 600M, DESIGN's)")
     parser.add_argument("--sections", default="single",
-                        help="comma-separated: single (one stream vs floor and peers), serve, offline, quant4 "
-                             "(serve and offline on a 4-bit store), speculative; default single")
+                        help="comma-separated: single (one stream vs floor and peers), serve, offline, quant4, quant8 "
+                             "(serve and offline on a 4-bit or 8-bit store), speculative; default single")
     parser.add_argument("--modes", default="stream,resident,resident-mapped,accelerate",
                         help=f"single-stream settings, comma-separated, from {', '.join(NAMES)}")
     parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
@@ -552,14 +552,15 @@ def main() -> None:
         with_tokenizer(ckpt)  # AirLLM loads one
         single_stream(args, ckpt, store, cap, per_token)
     sizes = [int(n) for n in args.batches.split(",")]
-    stores = {"fp32": store} | ({"4-bit": quantized_store(args, ckpt)} if "quant4" in sections else {})
-    if sections & {"serve", "offline", "quant4"}:
+    quantized = {f"{bits}-bit": quantized_store(ckpt, f"{bits}bit") for bits in (4, 8) if f"quant{bits}" in sections}
+    stores = {"fp32": store} | quantized
+    if sections & {"serve", "offline", "quant4", "quant8"}:
         table: dict[str, dict] = {}
         for name, path in stores.items():
             with_tokenizer(path)
-            if "serve" in sections or name == "4-bit":
+            if "serve" in sections or name in quantized:
                 table[f"serve {name}"] = serve_throughput(args, path, cap, sizes)
-            if "offline" in sections or name == "4-bit":
+            if "offline" in sections or name in quantized:
                 table[f"offline {name}"] = offline_throughput(args, path, cap, sizes)
         print(throughput_table(f"Aggregate decode throughput, greedy, {args.new_tokens} new tokens per request, "
                                f"{args.prompt}-character prompts, under memcap {cap} (cold): serve = N concurrent "
