@@ -17,7 +17,7 @@ from ..store import Store
 from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
 from .mapped import cool, map_part, map_ranges, spans, verify_mapped
-from .quant_linear import packable
+from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import Piece
 from .weights import WeightMapper
 
@@ -112,7 +112,8 @@ class BlockLoader:
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
         self.decode_in_reader = True
         self.packed_keys: frozenset[str] = frozenset()   # checkpoint keys handed over packed (quant.QuantizedTensor)
-        self._packing_saves: dict[str, int] = {}   # parameter name -> bytes its packing saves
+        self._resident_packed: frozenset[str] = frozenset()   # those kept packed in resident parts too
+        self._packing_saves: dict[str, tuple[int, bool]] = {}   # parameter name -> (bytes packing saves, also resident)
         self.host_budget = 0   # CUDA: bytes of streamed pieces kept page-locked in host RAM (see _reserve)
         self._kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._kept_bytes = 0
@@ -174,13 +175,17 @@ class BlockLoader:
                 name = self.mapper.linear_weight(key, linear_weights)
                 if name and key in tensors and key not in shared and packable(tensors[key].quant):
                     meta = tensors[key].quant
-                    packed[key] = (name, quant.dequantized_nbytes(meta) - tensors[key].length - meta["absmax"]["length"])
+                    saved = quant.dequantized_nbytes(meta) - tensors[key].length - meta["absmax"]["length"]
+                    packed[key] = (name, saved, meta["method"] in PACKED_WHEN_RESIDENT)
         self.packed_keys = frozenset(packed)
-        self._packing_saves = {name: saved for name, saved in packed.values()}
+        self._resident_packed = frozenset(key for key, (_, _, resident) in packed.items() if resident)
+        self._packing_saves = {name: (saved, resident) for name, saved, resident in packed.values()}
 
-    def packing_saves(self, names: set[str] | frozenset[str]) -> int:
-        """Bytes of memory that the packed ones among these parameters save against their dequantized size."""
-        return sum(self._packing_saves.get(name, 0) for name in names)
+    def packing_saves(self, names: set[str] | frozenset[str], resident: bool = False) -> int:
+        """Bytes of memory that the packed ones among these parameters save against their dequantized size,
+        streamed or (`resident`) in a resident part (quant_linear.PACKED_WHEN_RESIDENT)."""
+        return sum(saved for name in names for saved, also in [self._packing_saves.get(name, (0, False))]
+                   if also or not resident)
 
     def checkpoint_keys(self, index: int) -> list[str]:
         """The checkpoint tensors a load of block `index` gives."""
@@ -216,26 +221,28 @@ class BlockLoader:
                 size = max((need[key] for key in group if key in need), default=0)
                 sizes.update({key: size for key in group if key in need})
 
-    def read(self, parts: list[str]) -> dict[str, torch.Tensor]:
+    def read(self, parts: list[str], resident: bool = False) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
-        files, or (for a block, inside `load`) pool buffers read with O_DIRECT."""
+        files, or (for a block, inside `load`) pool buffers read with O_DIRECT. Packed where marked
+        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster)."""
+        keep = self._resident_packed if resident else self.packed_keys
         tensors: dict[str, torch.Tensor] = {}
         direct = getattr(self._collect, "buffers", None) is not None
         for part in parts:
             verify = self._verify and part not in self._verified
             if direct and self.direct:
                 try:
-                    tensors.update(self._read_direct(part, verify))
+                    tensors.update(self._read_direct(part, verify, keep))
                 except DirectUnsupported:
                     self.direct = False
             if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
-                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=self.packed_keys))
+                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=keep))
             if verify:
                 self._verified.add(part)
         return tensors
 
-    def _read_direct(self, part: str, verify: bool) -> dict[str, torch.Tensor]:
+    def _read_direct(self, part: str, verify: bool, keep: frozenset[str]) -> dict[str, torch.Tensor]:
         taken: list = []
 
         def read(file_name: str) -> memoryview:
@@ -244,19 +251,20 @@ class BlockLoader:
             return view
 
         try:
-            tensors = self.store.load(part, read=read, verify=verify, experts=self._experts, keep_quantized=self.packed_keys)
+            tensors = self.store.load(part, read=read, verify=verify, experts=self._experts, keep_quantized=keep)
         except BaseException:
             self._pool.give(taken)
             raise
         self._collect.buffers.extend(taken)
         return tensors
 
-    def load(self, index: int) -> LoadedBlock:
+    def load(self, index: int, resident: bool = False) -> LoadedBlock:
+        """Block `index` whole (a `resident` one to stay in memory: see `read`)."""
         started = time.perf_counter()
         self._collect.mappings = mappings = []
         self._collect.buffers = buffers = []
         try:
-            params = self.mapper.convert(self.read([f"mid/{index}"]))
+            params = self.mapper.convert(self.read([f"mid/{index}"], resident))
         except BaseException:
             self._pool.give(buffers)
             raise

@@ -129,17 +129,17 @@ class StreamingModel:
         self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model))
         self._fill_resident_parts(mapper, prefixes)
-        fixed = self._resident_slots.nbytes - self._loader.packing_saves(self._resident_slots.names)
+        fixed = self._resident_slots.nbytes - self._loader.packing_saves(self._resident_slots.names, resident=True)
         budget = resolve_budget(max_resident_memory, fixed, self.device)
         blocks = [self.model.get_submodule(p) for p in prefixes]
         pieces = self._split(blocks, prefixes, mapper, piece_bytes)
-        sizes = [s.nbytes - self._loader.packing_saves(s.names) for s in self._slots]
+        sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if prefetching else 1
         self.resident_blocks = choose_resident(sizes, budget, working_set(pieces, in_flight))
         for index in self.resident_blocks:
-            fill_block(self._slots[index], self._loader.load(index))
+            fill_block(self._slots[index], self._loader.load(index, resident=True))
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
         self.pieces = {k: pieces[k] for k in streamed}
         self.stream_working_set = working_set(self.pieces, in_flight)
@@ -213,7 +213,7 @@ class StreamingModel:
         """Embeddings, final norm, head (and anything else outside the blocks) stay in memory."""
         self._resident_slots = Slots(self.model, exclude=tuple(prefixes))
         parts = [p for p in self.store.parts if not p.startswith("mid/")]
-        tensors = self._loader.read(parts)
+        tensors = self._loader.read(parts, resident=True)
         for alias, info in self.store.manifest.aliases.items():  # one tensor in memory for tied weights
             if info["target"] in tensors:
                 tensors[alias] = tensors[info["target"]]
