@@ -5,12 +5,19 @@ again per token on the reference model (hidden 1024, 16 blocks), which made one 
 store bound by dequantization (0.128 of its 0.153 s per token on 2 cores), not by its 104 MB of
 reads. `quant_linear.cpp` decodes 16 weights at a time in registers (a table lookup and one
 multiply: the same float32 values dequantization writes) and multiplies them in at once. Measured on
-2 cores (AMD EPYC, AVX-512), one 2816 x 1024 4-bit weight, against dequantizing it (bitsandbytes'
-kernel, into a reused buffer) then the product the runtime ran on it: 1 row 0.19 ms against 0.67; 8
-rows 0.43 against 1.76; 32 rows 1.40 against 4.23; 256 rows 8.3 against 9.9; 1024 rows 34 against 33
-(the product alone: 0.24, 1.43, 1.63, 8.6 and 35 ms). So it serves every row count. An 8-bit weight's
-codes are gathered from their 256-entry table instead: 1 row 0.62 ms against 2.96, 8 rows 0.97
-against 1.77, 32 rows 1.60 against 2.23, 1024 rows 30 against 35.
+2 cores (AMD EPYC, AVX-512), one 2816 x 1024 weight, two runs, against dequantizing it (bitsandbytes'
+kernel, into a reused buffer) then the product the runtime ran on it, and that product alone:
+
+| rows | 4-bit, from the codes | dequantize + product | product alone | 8-bit, from the codes | dequantize + product |
+|---|---|---|---|---|---|
+| 1 | 0.19-0.20 ms | 0.65-0.75 | 0.24-0.34 | 0.56 | 1.21-2.95 |
+| 8 | 0.30-0.33 | 1.45-3.63 | 0.90-0.97 | 0.90-0.92 | 1.77-1.89 |
+| 32 | 1.14 | 1.82-4.37 | 1.25-1.57 | 1.55-1.67 | 2.27-2.42 |
+| 1024 | 30-33 | 34-36 | 33-35 | 30-31 | 33-35 |
+
+So it serves every row count, prefills included. An 8-bit code is gathered from its 256-entry table
+rather than looked up in a register, which makes one row 2.4x slower than the product of a float32
+matrix already in memory (PACKED_WHEN_RESIDENT).
 
 Each output is one sum in a fixed order whatever the number of rows (see the .cpp): a row's product
 is the same bits alone or in any batch, and differs from dequantize-then-`F.linear` only in rounding
@@ -45,11 +52,11 @@ SWITCH = "SHARDSTREAM_QUANT_KERNEL"
 BUFFER_ROWS = {"4bit": 32, "8bit": 7}
 BITS = {"4bit": 4, "8bit": 8}
 _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
-# Methods whose products from the codes beat the dequantized matrix held in memory, so that a resident
-# block keeps them packed too. 4-bit: 0.19 ms against 0.21 for 1 row, 1.2 against 1.3 for 32 (2816 x
-# 1024, 2 cores). 8-bit's gathers take 0.62 against 0.22 for 1 row: a resident 8-bit block is dequantized
-# once, at load, as before (one stream of the 8-bit reference model with every block in memory: 0.062 s a
-# token dequantized, 0.069 packed); a streamed one, dequantized on every pass otherwise, stays packed.
+# Methods whose products from the codes beat the dequantized matrix held in memory (the table above), so
+# that a resident block keeps them packed too. 8-bit's gathers take 0.56 ms against 0.23 for 1 row: a
+# resident 8-bit block is dequantized once, at load, as before (one stream of the 8-bit reference model with
+# every block in memory: 0.062 s a token dequantized, 0.069 packed); a streamed one, dequantized on every
+# pass otherwise, stays packed.
 PACKED_WHEN_RESIDENT = {"4bit"}
 # Compiler flags per torch CPU capability: the kernel is built for the widest vectors the CPU has.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
