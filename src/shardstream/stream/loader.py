@@ -184,8 +184,11 @@ class BlockLoader:
     def packing_saves(self, names: set[str] | frozenset[str], resident: bool = False) -> int:
         """Bytes of memory that the packed ones among these parameters save against their dequantized size,
         streamed or (`resident`) in a resident part (quant_linear.PACKED_WHEN_RESIDENT)."""
-        return sum(saved for name in names for saved, also in [self._packing_saves.get(name, (0, False))]
-                   if also or not resident)
+        total = 0
+        for name in names:
+            saved, also_resident = self._packing_saves.get(name, (0, False))
+            total += saved if also_resident or not resident else 0
+        return total
 
     def checkpoint_keys(self, index: int) -> list[str]:
         """The checkpoint tensors a load of block `index` gives."""
