@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
-from shardstream.store import open_store
+from shardstream.store import load_manifest, open_store
 from shardstream.stream import AutoModel, StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
@@ -205,6 +205,20 @@ def test_an_existing_store_is_reused_not_reconverted(llama, tmp_path):
     before = (store_path / "manifest.json").stat().st_mtime_ns
     AutoModel.from_pretrained(store_path.parent / "ckpt", layer_shards_saving_path=store_path).close()
     assert (store_path / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_an_unfinished_quantized_store_is_finished_with_its_own_compression(tmp_path):
+    """Naming an unfinished store finishes it from the checkpoint its manifest records, quantized as it
+    was begun (before: the default, no compression, was refused as "another model or compression")."""
+    _, store_path = _make(tmp_path, "llama", "4bit")
+    manifest = load_manifest(store_path)   # as a convert killed before its last part leaves it
+    manifest.complete = False
+    del manifest.parts["mid/1"]
+    manifest.save(store_path)
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        assert model.store.manifest.complete and "mid/1" in model.store.manifest.parts
+        assert model.store.manifest.compression == "4bit"
+        model(_prompts())
 
 
 def test_corrupt_block_fails_its_checksum_on_first_use(tmp_path):

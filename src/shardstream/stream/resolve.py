@@ -46,14 +46,16 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
     """Open the store, converting `source` into it first when it is missing or unfinished.
 
     `source` may itself be a store folder; an unfinished one is finished from the source its
-    manifest records.
+    manifest records, with the compression it records unless another is asked for.
     """
     source = str(source)
     given_store = store_path is None and (Path(source) / MANIFEST_NAME).is_file()
     if given_store:
         store_path = source
-        manifest_source = load_manifest(Path(source)).source
-        source = manifest_source or source
+        manifest = load_manifest(Path(source))
+        source = manifest.source or source
+        if convert_options.get("compression") is None:
+            convert_options["compression"] = manifest.compression
     cached = store_path is None
     path = default_store_path(source, convert_options.get("revision")) if cached else Path(store_path)
     if (path / MANIFEST_NAME).is_file() and not given_store:
