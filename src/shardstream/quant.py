@@ -71,14 +71,13 @@ def dynamic_map() -> torch.Tensor:
 
 
 _CODES = {"4bit": NF4_CODE, "8bit": dynamic_map()}
+# Decision thresholds between neighbouring codes; bucketize (ties go low) picks the nearest code.
+_MIDPOINTS = {method: (code[:-1] + code[1:]) / 2 for method, code in _CODES.items()}
 
 
 def code_table(method: str) -> torch.Tensor:
     """The float32 value of each code of `method` (16 for 4bit, 256 for 8bit), indexed by code."""
     return _CODES[_method(method)]
-
-# Decision thresholds between neighbouring codes; bucketize (ties go low) picks the nearest code.
-_MIDPOINTS = {method: (code[:-1] + code[1:]) / 2 for method, code in _CODES.items()}
 
 
 def _word_table(method: str) -> torch.Tensor:

@@ -390,8 +390,9 @@ class BlockLoader:
         for name in names:
             record = self.store.manifest.tensors[name]
             stored = view(record.file, record.offset, record.dtype, record.shape)
-            scales = record.quant and view(record.file, record.quant["absmax"]["offset"],
-                                           record.quant["absmax"]["dtype"], record.quant["absmax"]["shape"])
+            if record.quant:
+                absmax = record.quant["absmax"]
+                scales = view(record.file, absmax["offset"], absmax["dtype"], absmax["shape"])
             if name in self.packed_keys:
                 stored = quant.QuantizedTensor(stored, scales, record.quant)
             elif record.quant:
