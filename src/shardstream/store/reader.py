@@ -153,10 +153,12 @@ class Store:
     def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False,
              read: Callable[[str], bytearray | mmap.mmap] | None = None, experts: bool = True,
              tp_rank: int | None = None, tp_size: int | None = None,
-             keep_quantized: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+             keep_quantized: frozenset[str] = frozenset(), tied: bool = True) -> dict[str, torch.Tensor]:
         """All tensors of one part, dequantized (but those named in `keep_quantized`: their codes and
-        scales as a `quant.QuantizedTensor`), on `device`; tied tensors included, and the block's
-        experts stored apart unless `experts=False` (a runtime that loads them on demand).
+        scales as a `quant.QuantizedTensor`), on `device`; tied tensors included unless `tied=False` (a
+        caller holding their targets already: a tied head read again would be a second copy of the
+        embedding), and the block's experts stored apart unless `experts=False` (a runtime that loads
+        them on demand).
 
         `read(file_name)` supplies each file's bytes (default: `read_file`, a checked copy); the
         streaming runtime passes one that maps the file instead. `verify` also checks expert files.
@@ -176,7 +178,7 @@ class Store:
                 if meta.file == file_name:
                     tensors[name] = decode_tensor(buffer, 0, meta, dequantize=name not in keep_quantized)
         for alias, info in self.manifest.aliases.items():
-            if info["part"] == part:
+            if tied and info["part"] == part:
                 tensors[alias] = self.load_tensor(info["target"])
         placed = self._placed(part) if experts else []
         if placed:

@@ -18,7 +18,7 @@ from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
 from .mapped import cool, map_part, map_ranges, spans, verify_mapped
 from .quant_linear import PACKED_WHEN_RESIDENT, packable
-from .pieces import Piece
+from .pieces import PIECE_BYTES, Piece
 from .weights import WeightMapper
 
 Layout = list[tuple[str, list[tuple[int, int]]]]  # per file: the aligned (begin, end) ranges a piece reads
@@ -190,6 +190,15 @@ class BlockLoader:
             total += saved if also_resident or not resident else 0
         return total
 
+    @property
+    def pool(self) -> BufferPool:
+        return self._pool
+
+    def piece_buffer_bytes(self) -> int:
+        """Bytes of a streamed piece's read buffer (not a held-through one; see `plan`): what a streamed
+        head's slices take (ends.py), so that the pool serves both with the same buffers."""
+        return aligned(max((size for key, size in self._capacity.items() if key not in self.held), default=PIECE_BYTES))
+
     def checkpoint_keys(self, index: int) -> list[str]:
         """The checkpoint tensors a load of block `index` gives."""
         return self.store.tensor_names(f"mid/{index}")
@@ -224,10 +233,11 @@ class BlockLoader:
                 size = max((need[key] for key in group if key in need), default=0)
                 sizes.update({key: size for key in group if key in need})
 
-    def read(self, parts: list[str], resident: bool = False) -> dict[str, torch.Tensor]:
+    def read(self, parts: list[str], resident: bool = False, tied: bool = True) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
         files, or (for a block, inside `load`) pool buffers read with O_DIRECT. Packed where marked
-        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster)."""
+        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster).
+        `tied=False` leaves tied aliases out (see `Store.load`)."""
         keep = self._resident_packed if resident else self.packed_keys
         tensors: dict[str, torch.Tensor] = {}
         direct = getattr(self._collect, "buffers", None) is not None
@@ -240,7 +250,8 @@ class BlockLoader:
                     self.direct = False
             if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
-                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=keep))
+                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=keep,
+                                        tied=tied))
             if verify:
                 self._verified.add(part)
         return tensors

@@ -23,13 +23,13 @@ PAGE = mmap.PAGESIZE
 
 
 def map_part(store: Store, part: str, verify: bool = False, mappings: list[mmap.mmap] | None = None,
-             experts: bool = True, keep_quantized: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+             experts: bool = True, keep_quantized: frozenset[str] = frozenset(), tied: bool = True) -> dict[str, torch.Tensor]:
     """Tensors of one part viewing private mappings of its files, checksummed when `verify`.
 
     Verifying hashes the mapping itself: the bytes stay page-cache pages the kernel may reclaim,
     not a second (anonymous) copy that counts against a memory cap until the block is dropped.
     The mappings are appended to `mappings` when given (see `cool`). Experts stored apart are read
-    from their tiers (checked when `verify`) unless `experts=False`; `keep_quantized` as in `Store.load`.
+    from their tiers (checked when `verify`) unless `experts=False`; `keep_quantized`, `tied` as in `Store.load`.
     """
 
     def read(file_name: str) -> mmap.mmap:
@@ -38,7 +38,7 @@ def map_part(store: Store, part: str, verify: bool = False, mappings: list[mmap.
             mappings.append(mapping)
         return mapping
 
-    return store.load(part, read=read, verify=verify, experts=experts, keep_quantized=keep_quantized)
+    return store.load(part, read=read, verify=verify, experts=experts, keep_quantized=keep_quantized, tied=tied)
 
 
 def map_ranges(store: Store, names: list[str], mappings: list[mmap.mmap]) -> dict[str, mmap.mmap]:

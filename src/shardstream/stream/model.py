@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -27,6 +27,7 @@ from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .blocks import StreamedBlocks, fill_block
 from .direct import use_direct
+from .ends import Ends
 from .residency import choose_resident, resolve_budget, resolve_host_budget
 from .resolve import ensure_store
 from .weights import Slots, WeightMapper, parameters_on_meta
@@ -128,16 +129,29 @@ class StreamingModel:
         self._check_blocks(mapper)
         self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model))
-        self._fill_resident_parts(mapper, prefixes)
-        fixed = self._resident_slots.nbytes - self._loader.packing_saves(self._resident_slots.names, resident=True)
-        budget = resolve_budget(max_resident_memory, fixed, self.device)
         blocks = [self.model.get_submodule(p) for p in prefixes]
         pieces = self._split(blocks, prefixes, mapper, piece_bytes)
         sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if prefetching else 1
-        self.resident_blocks = choose_resident(sizes, budget, working_set(pieces, in_flight))
+        streaming = working_set(pieces, in_flight)
+        self._ends = Ends(store, self.model, mapper, self.device)
+        head_buffers = self._loader.piece_buffer_bytes()
+
+        def place() -> int:
+            """The resident budget left for blocks, once the small resident parts are in memory (a cgroup
+            counts them) and the big embedding/head have been placed (ends.py)."""
+            ends = self._ends.names
+            fixed = (self._resident_slots.nbytes - self._ends.slot_bytes
+                     - self._loader.packing_saves(self._resident_slots.names - ends, resident=True))
+            budget = resolve_budget(max_resident_memory, fixed, self.device)
+            return budget - self._ends.place(budget, streaming)
+
+        budget = self._fill_resident_parts(mapper, prefixes, place)
+        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.direct, verify_checksums)
+        # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
+        self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
         for index in self.resident_blocks:
             fill_block(self._slots[index], self._loader.load(index, resident=True))
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
@@ -209,11 +223,25 @@ class StreamingModel:
         self._loader.plan(plan, frozenset(key for key in plan if held_through(pieces[key[0]], key[1])))
         return pieces
 
-    def _fill_resident_parts(self, mapper: WeightMapper, prefixes: list[str]) -> None:
-        """Embeddings, final norm, head (and anything else outside the blocks) stay in memory."""
+    def _fill_resident_parts(self, mapper: WeightMapper, prefixes: list[str], place: Callable[[], int]) -> int:
+        """Embeddings, final norm, head (and anything else outside the blocks) stay in memory, each read
+        once (a tied head is the embedding's tensor, not a second copy), but for the big embedding/head
+        that `place()` decides to stream (ends.py): their parts' other tensors are read one by one. The
+        parts holding no such candidate are read first, so that `place` sees them in memory; returns what
+        it returned."""
         self._resident_slots = Slots(self.model, exclude=tuple(prefixes))
-        parts = [p for p in self.store.parts if not p.startswith("mid/")]
-        tensors = self._loader.read(parts, resident=True)
+        outside = [p for p in self.store.parts if not p.startswith("mid/")]
+        held = [p for p in outside if mapper.target_names(self.store.tensor_names(p)) & self._ends.names]
+        tensors = self._loader.read([p for p in outside if p not in held], resident=True, tied=False)
+        budget = place()
+        streamed = self._ends.streamed
+        for part in held:
+            keys = self.store.tensor_names(part)
+            if mapper.target_names(keys) & streamed:
+                tensors.update({k: self.store.load_tensor(k) for k in keys
+                                if k in self.store.manifest.tensors and not mapper.target_names([k]) & streamed})
+            else:
+                tensors.update(self._loader.read([part], resident=True, tied=False))
         for alias, info in self.store.manifest.aliases.items():  # one tensor in memory for tied weights
             if info["target"] in tensors:
                 tensors[alias] = tensors[info["target"]]
@@ -221,7 +249,7 @@ class StreamingModel:
         for tied, source in getattr(self.model, "all_tied_weights_keys", {}).items():
             if tied not in params and source in params:
                 params[tied] = params[source]
-        missing = self._resident_slots.names - params.keys()
+        missing = self._resident_slots.names - params.keys() - streamed
         if missing:
             raise UnsupportedModel(
                 f"the store at {self.store.root} lacks {sorted(missing)[:3]} outside the blocks; "
@@ -229,6 +257,7 @@ class StreamingModel:
             )
         self._resident_slots.fill({n: t if isinstance(t, QuantizedTensor) else t.to(self.device)   # packed: on the CPU
                                    for n, t in params.items() if n in self._resident_slots.names})
+        return budget
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -314,9 +343,10 @@ class StreamingModel:
 
     def close(self) -> None:
         """Stop the prefetch thread, drop the hooks, unpin the read buffers."""
-        for hook in self._hooks:
+        for hook in self._hooks + self._ends_hooks:
             hook.remove()
         self._hooks.clear()
+        self._ends_hooks.clear()
         self._streaming.close()
         self._loader.close()
 

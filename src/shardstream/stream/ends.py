@@ -1,0 +1,272 @@
+"""The embedding and the LM head of a real vocabulary: rows read by offset, the head streamed in slices.
+
+A 128k-152k vocabulary makes the embedding matrix (and an untied head) 0.5-1 GB in bf16, as much as
+several blocks. The embedding needs only the rows of the tokens in a pass: when it is not in memory
+anyway, those rows are read by their offsets in the store file (a few KB per token). The head needs
+its whole matrix for every token, as a block does: it stays resident when it fits the resident
+budget beside the streamed blocks' working set (and a tied embedding is then that same tensor),
+else it is streamed like a block, in slices of rows of one piece's size, the next slice read by a
+reader thread while the current one multiplies. Only plainly stored matrices (not quantized, in the
+parameter's dtype and shape) of at least `STREAMED_BYTES` are handled so; the rest stay resident.
+A streamed matrix's file is checksummed whole on its first use, through a small buffer, as a
+streamed block's is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..store import Store, problems
+from ..store.dtypes import TORCH_DTYPES
+from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_direct
+from .linear import flat_linear
+from .mapped import verify_mapped
+from .weights import WeightMapper
+
+STREAMED_BYTES = 16 << 20   # smaller matrices (toy vocabularies) stay resident: reading them costs little
+
+
+@dataclass(frozen=True)
+class StoredMatrix:
+    """Where a 2-D parameter's rows lie in the store: `rows` x `cols` of `dtype` from `offset` of `file`."""
+
+    name: str   # the parameter
+    file: str
+    offset: int
+    rows: int
+    cols: int
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def _stored(store: Store, mapper: WeightMapper, param: str, expected: torch.Tensor) -> StoredMatrix | None:
+    """The plainly stored matrix that fills `param` (an alias resolved to its target), if any."""
+    for part in store.parts:
+        if part.startswith("mid/"):
+            continue
+        for key in store.tensor_names(part):
+            if mapper.linear_weight(key, {param}) is None:
+                continue
+            record = store.manifest.tensors.get(store.manifest.aliases.get(key, {}).get("target", key))
+            if (record is None or record.quant or TORCH_DTYPES.get(record.dtype) != expected.dtype
+                    or list(record.shape) != list(expected.shape)):
+                return None
+            return StoredMatrix(param, record.file, record.offset, *record.shape, expected.dtype)
+    return None
+
+
+class Ends:
+    """The model's big embedding and head matrices, and where each is served from."""
+
+    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device):
+        self.store, self.model = store, model
+        self.embedding: StoredMatrix | None = None
+        self.head: StoredMatrix | None = None
+        self.tied = False
+        self.head_resident = True
+        if device.type != "cpu" or getattr(store, "remote", False) or model.get_output_embeddings() is None:
+            return
+        params = dict(model.named_parameters(remove_duplicate=False))
+        names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+        embedding = f"{names[id(model.get_input_embeddings())]}.weight"
+        head = f"{names[id(model.get_output_embeddings())]}.weight"
+        self.embedding = _stored(store, mapper, embedding, params[embedding])
+        tied_keys = getattr(model, "all_tied_weights_keys", {}) or {}
+        found = _stored(store, mapper, head, params[head])
+        self.tied = tied_keys.get(head) == embedding or (found is not None and self.embedding is not None and
+                                                          (found.file, found.offset) == (self.embedding.file, self.embedding.offset))
+        if self.tied and self.embedding is not None:
+            found = StoredMatrix(head, *[getattr(self.embedding, f) for f in ("file", "offset", "rows", "cols", "dtype")])
+        self.head = found
+        if self.embedding is not None and self.embedding.nbytes < STREAMED_BYTES:
+            self.embedding = None
+        if self.head is not None and self.head.nbytes < STREAMED_BYTES:
+            self.head = None
+        if self.tied and (self.embedding is None or self.head is None):
+            self.embedding = self.head = None   # a tied pair is handled together or not at all
+
+    @property
+    def names(self) -> set[str]:
+        """The parameters handled here (not read with the resident parts until `place` decides)."""
+        return {m.name for m in (self.embedding, self.head) if m is not None}
+
+    @property
+    def nbytes(self) -> int:
+        """Their bytes in memory, a tied pair counted once."""
+        return (self.head.nbytes if self.head else 0) + (self.embedding.nbytes if self.embedding and not self.tied else 0)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Their bytes as the model's parameter slots count them (a tied pair: two slots)."""
+        return sum(m.nbytes for m in (self.embedding, self.head) if m is not None)
+
+    def place(self, budget: int, streaming: int) -> int:
+        """Decide: the head stays resident when it fits `budget` beside the streamed blocks' working set
+        (`streaming`); a tied embedding follows it, an untied one is read by rows. Returns the bytes
+        taken from the budget."""
+        self.head_resident = self.head is None or self.head.nbytes + streaming <= budget
+        return self.head.nbytes if self.head is not None and self.head_resident else 0
+
+    @property
+    def streamed(self) -> set[str]:
+        """The parameters not read into memory whole: an embedding read by rows, a streamed head."""
+        rows = self.embedding is not None and not (self.tied and self.head_resident)
+        return ({self.embedding.name} if rows else set()) | ({self.head.name} if not self.head_resident else set())
+
+    def hook(self, pool: BufferPool, capacity: int, direct: bool, verify: bool) -> list:
+        """Put the row reader and the streamed head in place; returns what to remove on close."""
+        handles: list = []
+        streamed = self.streamed
+        if self.embedding is not None and self.embedding.name in streamed:
+            handles += EmbeddingRows(self.store, self.embedding, self.model.get_input_embeddings(), verify).handles
+        if self.head is not None and self.head.name in streamed:
+            handles.append(StreamedHead(self.store, self.head, self.model.get_output_embeddings(), pool, capacity,
+                                        direct, verify))
+        return handles
+
+
+class _Verified:
+    """Checks a store file whole once, through a small buffer (nothing of it stays in memory)."""
+
+    def __init__(self, store: Store, file_name: str, verify: bool):
+        self._store, self._file, self._pending = store, file_name, verify
+
+    def check(self) -> None:
+        if not self._pending:
+            return
+        try:
+            verify_direct(self._store, self._file)
+        except DirectUnsupported:
+            verify_mapped(self._store, self._file)
+        self._pending = False
+
+
+class EmbeddingRows:
+    """Hooks on the input embedding: before each pass, its weight becomes the rows of the pass's
+    distinct tokens (read by offset) and the ids their positions there; after it, a 0-row stand-in
+    (on the CPU, so that `model.device` stays right). The module's own forward (a scaled embedding's
+    scale included) runs unchanged. `bytes_read` counts the bytes read."""
+
+    def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, verify: bool):
+        self._store, self._matrix, self._module = store, matrix, module
+        self._verified = _Verified(store, matrix.file, verify)
+        self._standin = nn.Parameter(torch.empty(0, matrix.cols, dtype=matrix.dtype), requires_grad=False)
+        module._parameters["weight"] = self._standin
+        self.bytes_read = 0
+        self.handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                        module.register_forward_hook(self._after)]
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = args[0] if args else kwargs.pop("input")
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        module._parameters["weight"] = nn.Parameter(self.read(distinct.tolist()), requires_grad=False)
+        return (inverse.reshape(ids.shape), *args[1:]), kwargs
+
+    def _after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module._parameters["weight"] = self._standin
+
+    def read(self, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` (ascending) of the matrix, consecutive ones in one read."""
+        self._verified.check()
+        matrix = self._matrix
+        out = torch.empty(len(ids), matrix.cols, dtype=matrix.dtype)
+        raw = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        path = self._store.file_path(matrix.file)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise problems.missing(path) from None
+        try:
+            start = 0
+            while start < len(ids):
+                end = start + 1
+                while end < len(ids) and ids[end] == ids[end - 1] + 1:
+                    end += 1
+                if ids[start] < 0 or ids[end - 1] >= matrix.rows:
+                    raise IndexError(f"token id out of range for a vocabulary of {matrix.rows}")
+                view = raw[start * matrix.row_bytes:end * matrix.row_bytes]
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], matrix.offset + ids[start] * matrix.row_bytes + done)
+                    if not got:
+                        raise problems.shorter(path)
+                    done += got
+                self.bytes_read += done
+                start = end
+        finally:
+            os.close(fd)
+        return out
+
+
+class StreamedHead:
+    """The LM head's forward, over slices of its rows read one after another into pool buffers of
+    `capacity` bytes (the size of a block piece's, so that the pool reuses the same ones): slice k+1
+    is read while slice k multiplies. The weight slot stays on `meta`; its bias (if any) is resident."""
+
+    def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, pool: BufferPool, capacity: int,
+                 direct: bool, verify: bool):
+        self._store, self._matrix, self._module, self._pool = store, matrix, module, pool
+        self._capacity, self._direct = capacity, direct
+        self._verified = _Verified(store, matrix.file, verify)
+        rows = max(1, (capacity - 2 * ALIGN) // matrix.row_bytes)
+        self.slices = [(r, min(r + rows, matrix.rows)) for r in range(0, matrix.rows, rows)]
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardstream-head")
+        module.forward = self.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._verified.check()
+        out = x.new_empty(*x.shape[:-1], self._matrix.rows)
+        bias = self._module.bias
+        pending = self._reader.submit(self._read, *self.slices[0])
+        try:
+            for k, (begin, end) in enumerate(self.slices):
+                current, pending = pending, None
+                buffer, weight = current.result()
+                try:
+                    if k + 1 < len(self.slices):
+                        pending = self._reader.submit(self._read, *self.slices[k + 1])
+                    out[..., begin:end] = flat_linear(x, weight, None if bias is None else bias[begin:end])
+                finally:
+                    del weight
+                    self._pool.give([buffer])
+        finally:
+            if pending is not None:   # a failed product: the read in flight still gives its buffer back
+                with contextlib.suppress(Exception):
+                    self._pool.give([pending.result()[0]])
+        return out
+
+    def _read(self, begin: int, end: int):
+        matrix = self._matrix
+        first = matrix.offset + begin * matrix.row_bytes
+        last = matrix.offset + end * matrix.row_bytes
+        span = (first // ALIGN * ALIGN, aligned(last))
+        buffer = self._pool.take(self._capacity)
+        try:
+            try:
+                read_ranges(self._store, matrix.file, [span], buffer, 0, self._direct)
+            except DirectUnsupported:
+                self._direct = False
+                read_ranges(self._store, matrix.file, [span], buffer, 0, False)
+        except BaseException:
+            self._pool.give([buffer])
+            raise
+        weight = torch.frombuffer(buffer, dtype=matrix.dtype, count=(end - begin) * matrix.cols, offset=first - span[0])
+        return buffer, weight.view(end - begin, matrix.cols)
+
+    def remove(self) -> None:
+        """Stop the reader; the head is not used after."""
+        self._module.__dict__.pop("forward", None)
+        self._reader.shutdown(wait=True)
