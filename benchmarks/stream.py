@@ -1,16 +1,20 @@
 """Streaming inference against the I/O floor and its peers, and tokens per weight read, as markdown.
 
-The default setting is docs/DESIGN.md's reference scenario ("Measuring larger than memory"): a
-Llama of 16 fp32 blocks of 45 MB (vocab 512, random weights), a 32-token prompt, greedy decode,
-every run under `memcap 600M --cold PATH` (the page cache is emptied of PATH's files first and
-capped together with the process, so every token reads its streamed blocks from disk).
+The reference scenario is DESIGN.md's real-shape one (`--shape llama-3.2-1b`): a random checkpoint
+with the exact config of Llama-3.2-1B (bf16, vocab 128256, tied embeddings: 2.5 GB), written shard
+by shard by scripts/real_shapes.py, under `memcap 1200M`; `--shape qwen2.5-7b` (15.2 GB) under
+4000M. Without --shape, `--size` picks the older toy scenario: a Llama of 16 fp32 blocks of 45 MB
+(vocab 512, random weights) under `memcap 600M`. Either way a 32-token prompt, greedy decode, every
+run under `memcap CAP --cold PATH` (the page cache is emptied of PATH's files first and capped
+together with the process, so every token reads its streamed blocks from disk).
 
 Sections (`--sections`, so that a subset fits in the time at hand):
 - single: per round (`--repeat`), the cold read speed of the block files (the I/O floor: bytes
   of blocks per token / the best of several sequential readers, with and without O_DIRECT), then
   each `--modes` setting in its own process: prefill, then --new-tokens decode steps with the KV
-  cache. Shardstream with O_DIRECT (its choice under the cap) and through the page cache, accelerate
-  disk offload, and AirLLM 4.0 when `--airllm` names the python of its own venv.
+  cache. Shardstream with O_DIRECT (its choice under the cap) and through the page cache, on the
+  4-bit store of the same checkpoint (resident-4bit), accelerate disk offload, and AirLLM 4.0 when
+  `--airllm` names the python of its own venv. The cgroup's peak is each run's, loading included.
 - serve: N concurrent greedy requests (`--batches`) to one capped `shardstream serve
   --max-batch-size`, aggregate completion tokens / wall time, after one untimed request.
 - offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
@@ -23,7 +27,7 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
   computes the target's own function).
 
-Run: `.venv/bin/python benchmarks/stream.py [--sections single,serve,offline,quant4,quant8] [--repeat 3] [--rounds 3]` (root, for memcap).
+Run: `.venv/bin/python benchmarks/stream.py [--shape llama-3.2-1b] [--sections single,serve,offline,quant4,quant8] [--repeat 3] [--rounds 3]` (root, for memcap).
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _measure import cpu_model, cpu_times, evict, markdown_table, stolen_share  # noqa: E402
+from real_shapes import SHAPES, shape_config, write_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
 MB = 1e6
 MiB = 1 << 20
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
+CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M"}   # the real shapes' scenarios
 
 
 def build(args) -> tuple[Path, Path]:
@@ -58,9 +65,11 @@ def build(args) -> tuple[Path, Path]:
 
     from shardstream.convert import convert
 
-    work = Path(args.workdir) / f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}"
+    work = work_dir(args)
     ckpt, store = work / "ckpt", work / "store"
-    if not (ckpt / "config.json").exists():
+    if args.shape:
+        write_checkpoint(args.shape, ckpt, args.layers)
+    elif not (ckpt / "config.json").exists():
         config = AutoConfig.for_model(
             "llama", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75) // 64 * 64,
             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
@@ -74,10 +83,15 @@ def build(args) -> tuple[Path, Path]:
     return ckpt, store
 
 
+def work_dir(args) -> Path:
+    if args.shape:
+        return Path(args.workdir) / (args.shape + (f"-l{args.layers}" if args.layers != SHAPES[args.shape]["num_hidden_layers"] else ""))
+    return Path(args.workdir) / f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}"
+
+
 # -- one setting, in its own process -------------------------------------------------------------
 
-def open_backend(mode: str, ckpt: Path, store: Path, work: Path):
-    import torch
+def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
     from transformers import AutoModelForCausalLM
 
     if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache (SHARDSTREAM_DIRECT_IO=off)
@@ -85,17 +99,19 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path):
 
         if mode.endswith("-mapped"):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "off"
+        if mode.endswith("-4bit"):
+            store = quantized_store(ckpt, "4bit")
         return AutoModel.from_pretrained(store, max_resident_memory=0 if mode.startswith("stream") else "auto",
                                          profiling_mode=True)
     if mode == "memory":
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
     if mode == "accelerate":
         from transformers import AutoConfig
 
         layers = AutoConfig.from_pretrained(ckpt).num_hidden_layers
         device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
                       **{f"model.layers.{i}": "disk" for i in range(layers)}}
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, device_map=device_map,
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, device_map=device_map,
                                                     offload_folder=str(work / "offload")).eval()
     if mode == "airllm":  # run by the interpreter of a venv holding airllm==4.0.0 (--airllm)
         from airllm import AutoModel as AirLLMModel
@@ -108,7 +124,7 @@ def run_one(mode: str, args) -> dict:
     import torch
 
     ckpt, store = build(args)
-    model = open_backend(mode, ckpt, store, ckpt.parent)
+    model = open_backend(mode, ckpt, store, ckpt.parent, torch.bfloat16 if args.shape else torch.float32)
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     streaming = mode.split("-")[0] in ("stream", "resident")
     read = wait = compute = 0.0
@@ -195,7 +211,7 @@ def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, p
     timeout = args.timeout
     command = [python or sys.executable, __file__, *extra, "--hidden", str(args.hidden), "--layers", str(args.layers),
                "--vocab", str(args.vocab), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-               "--workdir", args.workdir]
+               "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
     if cap:
         command = [str(MEMCAP), cap, *(["--cold", str(cold)] if cold else []), "--", *command]
     try:
@@ -492,6 +508,7 @@ def quantized_store(ckpt: Path, method: str) -> Path:
 NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
          "resident": "(b) shardstream defaults (resident budget auto)",
          "resident-mapped": "(b') shardstream defaults, blocks through the page cache (SHARDSTREAM_DIRECT_IO=off)",
+         "resident-4bit": "(f) shardstream defaults, the 4-bit store of the same checkpoint",
          "stream-mapped": "(a') pure streaming through the page cache (SHARDSTREAM_DIRECT_IO=off)",
          "accelerate": "(c) accelerate disk offload (offload folder)",
          "airllm": "(d) AirLLM 4.0 (PyPI, device=\"cpu\", its own venv)",
@@ -500,15 +517,20 @@ NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a real model's config, random bf16 weights (scripts/real_shapes.py): llama-3.2-1b is "
+                             "DESIGN's reference (cap 1200M), qwen2.5-7b (4000M); --layers for fewer blocks")
     parser.add_argument("--size", choices=sorted(SIZES), default="722mb",
-                        help="model: 722mb (DESIGN's reference: 16 blocks of 45 MB, vocab 512; default), 470mb, 1.5gb")
+                        help="without --shape, the older toy model: 722mb (16 fp32 blocks of 45 MB, vocab 512; "
+                             "default), 470mb, 1.5gb")
     parser.add_argument("--hidden", type=int, help="override the --size configuration")
     parser.add_argument("--layers", type=int, help="override the --size configuration")
     parser.add_argument("--vocab", type=int, help="override the --size configuration")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--workdir", default="artifacts/bench-stream")
-    parser.add_argument("--cap", default="600M", help="memcap limit, page cache included (default 600M, DESIGN's)")
+    parser.add_argument("--cap", help="memcap limit, page cache included (default: the scenario's, 1200M for "
+                                      "llama-3.2-1b, 4000M for qwen2.5-7b, 600M for --size)")
     parser.add_argument("--sections", default="single",
                         help="comma-separated: single (one stream vs floor and peers), serve, offline, quant4, quant8 "
                              "(serve and offline on a 4-bit or 8-bit store), speculative; default single")
@@ -525,13 +547,18 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--read", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    hidden, layers, vocab = SIZES[args.size]
+    if args.shape:
+        config = shape_config(args.shape, args.layers)
+        hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    else:
+        hidden, layers, vocab = SIZES[args.size]
     args.hidden, args.layers, args.vocab = args.hidden or hidden, args.layers or layers, args.vocab or vocab
+    args.cap = args.cap or CAPS.get(args.shape, "600M")
 
     if args.run:
         print(json.dumps(run_one(args.run, args)))
         return
-    ckpt, store = build(args) if not args.read else (None, Path(args.workdir) / f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}" / "store")
+    ckpt, store = build(args) if not args.read else (None, work_dir(args) / "store")
     from shardstream.store import open_store
 
     opened = open_store(store)
@@ -568,7 +595,8 @@ def main() -> None:
                                "prompts and --batch-size N, process wall time (load included).", table, sizes))
     if "speculative" in sections:
         print("\n" + speculative(args, cap))
-    model = (f"Model: Llama-shaped fp32 (random weights), hidden {args.hidden}, {args.layers} blocks of "
+    kind = f"{args.shape}-shaped bf16" if args.shape else "Llama-shaped fp32"
+    model = (f"Model: {kind} (random weights), hidden {args.hidden}, vocab {args.vocab}, {args.layers} blocks of "
              f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
              if sections - {"speculative"} else "")
     print(f"\n{model}{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch "
@@ -579,6 +607,8 @@ def main() -> None:
 def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> None:
     """Each round: the cold read speed of the block files (the floor), then every mode, all under `cap`."""
     modes = [m for m in args.modes.split(",") if m] + (["airllm"] if args.airllm else [])
+    if any(m.endswith("-4bit") for m in modes):
+        quantized_store(ckpt, "4bit")   # converted here, not under the cap
     header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
               "read / wait / compute ms per token", "resident blocks", "O_DIRECT", "cgroup peak", "load avg"]
     rows, ratios = [], collections.defaultdict(list)
@@ -587,7 +617,8 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
         floor = speed["speed"] / per_token if isinstance(speed, dict) else float("nan")
         print(f"round {round_} cold read: {speed}", file=sys.stderr, flush=True)
         for mode in modes:
-            cold = store if mode.split("-")[0] in ("stream", "resident") else ckpt.parent if mode == "airllm" else ckpt
+            cold = (ckpt.parent / "store-4bit" if mode.endswith("-4bit") else store if mode.split("-")[0] in ("stream", "resident")
+                    else ckpt.parent if mode == "airllm" else ckpt)
             result = child(args, "--run", mode, cap=cap, cold=cold, python=args.airllm if mode == "airllm" else None)
             print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
             if isinstance(result, str):

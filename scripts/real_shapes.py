@@ -117,13 +117,14 @@ def _random(name: str, shape: list[int], dtype: torch.dtype, generator: torch.Ge
 
 
 def write_checkpoint(shape: str, out: Path, layers: int | None = None, shard_bytes: int = 1 << 30,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """Write the checkpoint into `out` (made if missing; left as it is when its index is already there)."""
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides) -> Path:
+    """Write the checkpoint into `out` (made if missing; left as it is when its index is already there).
+    `overrides` change config fields (e.g. tie_word_embeddings=False: the same widths with a head of its own)."""
     out = Path(out)
     index_path = out / "model.safetensors.index.json"
     if index_path.exists():
         return out
-    config = shape_config(shape, layers)
+    config = {**shape_config(shape, layers), **overrides}
     out.mkdir(parents=True, exist_ok=True)
     itemsize = torch.finfo(dtype).bits // 8
     shards = _shards(tensor_shapes(config), shard_bytes, itemsize)

@@ -158,14 +158,13 @@ class EmbeddingRows:
     """Hooks on the input embedding: before each pass, its weight becomes the rows of the pass's
     distinct tokens (read by offset) and the ids their positions there; after it, a 0-row stand-in
     (on the CPU, so that `model.device` stays right). The module's own forward (a scaled embedding's
-    scale included) runs unchanged. `bytes_read` counts the bytes read."""
+    scale included) runs unchanged."""
 
     def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, verify: bool):
         self._store, self._matrix, self._module = store, matrix, module
         self._verified = _Verified(store, matrix.file, verify)
         self._standin = nn.Parameter(torch.empty(0, matrix.cols, dtype=matrix.dtype), requires_grad=False)
         module._parameters["weight"] = self._standin
-        self.bytes_read = 0
         self.handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                         module.register_forward_hook(self._after)]
 
@@ -204,7 +203,6 @@ class EmbeddingRows:
                     if not got:
                         raise problems.shorter(path)
                     done += got
-                self.bytes_read += done
                 start = end
         finally:
             os.close(fd)

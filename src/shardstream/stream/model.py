@@ -149,6 +149,9 @@ class StreamingModel:
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, prefixes, place)
+        # asked again now that the resident parts are in memory: under a cap they count against it (a 4-bit
+        # Llama-3.2-1B's head, dequantized, left its 0.53 GB of blocks no room in the page cache of a 1200 MiB cap)
+        self._loader.direct = self._loader.direct or use_direct(store)
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.direct, verify_checksums)
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
