@@ -51,7 +51,9 @@ from _measure import cpu_model, cpu_times, evict, markdown_table, stolen_share  
 from real_shapes import SHAPES, shape_config, write_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
+# ../shared/tools/memcap beside the checkout (or beside the folder of checkouts it sits in)
+MEMCAP = next((p / "shared" / "tools" / "memcap" for p in ROOT.parents[:2] if (p / "shared" / "tools" / "memcap").exists()),
+              ROOT.parent / "shared" / "tools" / "memcap")
 MB = 1e6
 MiB = 1 << 20
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
@@ -120,11 +122,29 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
     raise SystemExit(f"unknown mode {mode}")
 
 
+def cgroup_peak(reset: bool = False) -> int | None:
+    """Peak bytes of this process's memory cgroup so far (memcap's: page cache included), None outside one;
+    `reset` starts the peak again from the current usage (cgroup v1, or v2 on Linux 6.12+)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        v1 = "memory" in controllers.split(",")
+        if v1 or (number == "0" and not controllers):
+            file = (Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.max_usage_in_bytes" if v1
+                    else Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.peak")
+            if file.exists() and path != "/":
+                peak = int(file.read_text())
+                if reset:
+                    file.write_text("0")
+                return peak
+    return None
+
+
 def run_one(mode: str, args) -> dict:
     import torch
 
     ckpt, store = build(args)
     model = open_backend(mode, ckpt, store, ckpt.parent, torch.bfloat16 if args.shape else torch.float32)
+    loading = cgroup_peak(reset=True)
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     streaming = mode.split("-")[0] in ("stream", "resident")
     read = wait = compute = 0.0
@@ -142,6 +162,9 @@ def run_one(mode: str, args) -> dict:
                 read, wait, compute = read + total.read, wait + total.wait, compute + total.compute
         decode = time.perf_counter() - started
     result = {"prefill": args.prompt / prefill, "decode": args.new_tokens / decode}
+    decoding = cgroup_peak()
+    if loading and decoding:
+        result["load_peak_mib"], result["decode_peak_mib"] = loading >> 20, decoding >> 20
     status = Path("/proc/self/status").read_text()
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
     if streaming:
@@ -610,7 +633,8 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
     if any(m.endswith("-4bit") for m in modes):
         quantized_store(ckpt, "4bit")   # converted here, not under the cap
     header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
-              "read / wait / compute ms per token", "resident blocks", "O_DIRECT", "cgroup peak", "load avg"]
+              "read / wait / compute ms per token", "resident blocks", "O_DIRECT", "cgroup peak",
+              "peak loading / decoding MiB", "load avg"]
     rows, ratios = [], collections.defaultdict(list)
     for round_ in range(1, args.repeat + 1):
         speed = child(args, "--read", cap=cap, cold=store)
@@ -631,7 +655,9 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
                      if "read_ms" in result else "")
             rows.append([str(round_), NAMES[mode], f"{result['decode']:.2f}", f"{floor:.2f}",
                          f"{result['decode'] / floor:.2f}x", read, times, str(result.get("resident", "")),
-                         str(result.get("direct", "")), result.get("peak", ""), f"{os.getloadavg()[0]:.1f}"])
+                         str(result.get("direct", "")), result.get("peak", ""),
+                         f"{result['load_peak_mib']} / {result['decode_peak_mib']}" if "load_peak_mib" in result else "",
+                         f"{os.getloadavg()[0]:.1f}"])
     if not args.airllm:
         rows.append(["", NAMES["airllm"], "not run (give --airllm PYTHON: a venv under artifacts/ with "
                      "`pip install --no-deps airllm==4.0.0`)"] + [""] * (len(header) - 3))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -89,7 +89,7 @@ class Ends:
         self.tied = tied_keys.get(head) == embedding or (found is not None and self.embedding is not None and
                                                           (found.file, found.offset) == (self.embedding.file, self.embedding.offset))
         if self.tied and self.embedding is not None:
-            found = StoredMatrix(head, *[getattr(self.embedding, f) for f in ("file", "offset", "rows", "cols", "dtype")])
+            found = replace(self.embedding, name=head)
         self.head = found
         if self.embedding is not None and self.embedding.nbytes < STREAMED_BYTES:
             self.embedding = None
@@ -102,11 +102,6 @@ class Ends:
     def names(self) -> set[str]:
         """The parameters handled here (not read with the resident parts until `place` decides)."""
         return {m.name for m in (self.embedding, self.head) if m is not None}
-
-    @property
-    def nbytes(self) -> int:
-        """Their bytes in memory, a tied pair counted once."""
-        return (self.head.nbytes if self.head else 0) + (self.embedding.nbytes if self.embedding and not self.tied else 0)
 
     @property
     def slot_bytes(self) -> int:
