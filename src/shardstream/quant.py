@@ -268,10 +268,13 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     _check_array("data", data, torch.uint8, -(-n // per_byte))
     _check_array("absmax", absmax, torch.float32, -(-n // blocksize))
     if out is None:
-        out = torch.empty(n, dtype=dtype)
+        out = torch.empty(n, dtype=dtype, device=data.device)
     elif out.dtype != dtype or out.numel() != n or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of {n} values, got {out.dtype} {tuple(out.shape)}")
     data, absmax, flat = data.reshape(-1), absmax.reshape(-1), out.view(-1)
+    if data.device.type != "cpu":
+        flat.copy_(_dequantize_elementwise(data, absmax, method, blocksize, n))
+        return out.view(shape)
     library = _bnb_library()
     if library is not None and n % 2 == 0 and blocksize in _BNB_BLOCKSIZES:
         _bnb_dequantize(library, data, absmax, method, blocksize, flat)
@@ -301,6 +304,25 @@ def _torch_dequantize(data: torch.Tensor, absmax: torch.Tensor, method: str, blo
         values = _WORD_VALUES[method].index_select(0, words.view(torch.uint16).to(torch.int32)).view(-1)
         first_block = start // blocksize
         _scale_into(out[start:stop], values, absmax[first_block : -(-stop // blocksize)], blocksize)
+
+
+def _dequantize_elementwise(data: torch.Tensor, absmax: torch.Tensor, method: str, blocksize: int, n: int) -> torch.Tensor:
+    """The `n` float32 values of these codes in a few elementwise kernels, on the codes' device: how a GPU
+    dequantizes a block copied packed (a quarter or an eighth of the bytes over the bus). The same float32
+    products as `_torch_dequantize`, so the same values."""
+    table = _device_table(method, data.device)
+    codes = torch.stack((data >> 4, data & 15), dim=1).view(-1)[:n] if method == "4bit" else data
+    values = table[codes.int()]
+    full = n // blocksize * blocksize
+    values[:full].view(-1, blocksize).mul_(absmax[: full // blocksize].unsqueeze(1))
+    if full < n:
+        values[full:].mul_(absmax[-1])
+    return values
+
+
+@functools.cache
+def _device_table(method: str, device: torch.device) -> torch.Tensor:
+    return _CODES[method].to(device)
 
 
 def relative_error_bound(method: str, dtype: torch.dtype) -> float:

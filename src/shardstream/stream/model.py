@@ -146,9 +146,10 @@ class StreamingModel:
         self._hooks = list(self.experts.hooks) if self.experts else []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
+        piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
                                          prefetch_depth if prefetching else None, self._released, self._settle,
-                                         self.pieces, self._loader.held)
+                                         self.pieces, self._loader.held, lambda: self._loader.copies_only(piece_keys))
 
     # -- construction ------------------------------------------------------------------------
 
