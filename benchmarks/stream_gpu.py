@@ -24,6 +24,9 @@ Settings (`--modes`):
 - airllm: AirLLM 4.0 (`device="cuda"`), from the checkpoint, run by the interpreter `--airllm` names, or
   this one when airllm imports here.
 - gpu: transformers with the whole model on the GPU (the compute floor).
+- batch-N: N concurrent greedy requests (--prompt tokens each, --new-tokens new) in the batch engine that
+  `serve` runs (stream/batching.py), on the host tier; aggregate generated tokens per second, prefill
+  included. The row's ratio is against batch-1 of the same round.
 
 Floors, per store: the copy floor is the blocks' bytes per token over the best page-locked host-to-device
 copy of one block; the read floor is the blocks' bytes over the best O_DIRECT read of the block files into
@@ -62,7 +65,8 @@ MODES = {"stream": "shardstream, host tier (blocks page-locked in host RAM), cop
          "accelerate": "accelerate CPU offload (blocks on \"cpu\")",
          "accelerate-disk": "accelerate disk offload (blocks on \"disk\")",
          "airllm": "AirLLM 4.0, device=\"cuda\"",
-         "gpu": "transformers, whole model on the GPU"}
+         "gpu": "transformers, whole model on the GPU",
+         **{f"batch-{n}": f"shardstream batch engine (as serve), host tier, {n} concurrent requests" for n in (1, 8, 32)}}
 REREAD = ("stream-direct", "stream-4bit-direct")
 
 
@@ -177,6 +181,25 @@ def open_backend(mode: str, ckpt: Path, store: Path, store4: Path, dtype):
     raise SystemExit(f"unknown mode {mode}")
 
 
+def run_batch(model, requests: int, args, vocab: int) -> dict:
+    """`requests` concurrent greedy requests through the batch engine, after one untimed request."""
+    import torch
+
+    from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+
+    prompts = [torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(requests)]
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=requests) as engine:
+        list(engine.submit(prompts[0][:4], SamplingParams(max_new_tokens=2)))
+        started = time.perf_counter()
+        sequences = [engine.submit(p, SamplingParams(max_new_tokens=args.new_tokens)) for p in prompts]
+        tokens = [[e.token for e in sequence if e.token != NO_TOKEN] for sequence in sequences]
+        seconds = time.perf_counter() - started
+    return {"decode": sum(map(len, tokens)) / seconds, "prefill": requests * args.prompt / seconds,
+            "tokens": tokens[0][:8], "gpu_peak_mib": torch.cuda.max_memory_allocated() // (1 << 20),
+            "passes": engine.forward_passes}
+
+
 def run_one(mode: str, args) -> dict:
     """Prefill, then --new-tokens greedy decode steps with the KV cache; tokens/s of each, and the first tokens."""
     import torch
@@ -185,7 +208,9 @@ def run_one(mode: str, args) -> dict:
     ckpt, store, store4 = build(args)
     config = AutoConfig.from_pretrained(ckpt)
     dtype = torch.float32 if args.shape == "reference" else torch.bfloat16
-    model = open_backend(mode, ckpt, store, store4, dtype)
+    model = open_backend("stream" if mode.startswith("batch") else mode, ckpt, store, store4, dtype)
+    if mode.startswith("batch"):
+        return run_batch(model, int(mode.split("-")[1]), args, config.vocab_size)
     ids = torch.randint(3, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     tokens = []
     with torch.no_grad():
@@ -268,8 +293,11 @@ def main() -> None:
             print(f"round {round_} floors {k or 'store'}: copy {copy / 1e9:.1f} GB/s ({floors[k][0]:.1f} tok/s), "
                   f"O_DIRECT read {reads[k][0] / 1e9:.2f} GB/s with {reads[k][1]} readers ({floors[k][1]:.1f} tok/s)",
                   file=sys.stderr, flush=True)
+        single = None
         for mode in modes:
             result = child(args, mode)
+            if mode == "batch-1" and isinstance(result, dict):
+                single = result["decode"]
             print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
             if isinstance(result, str):
                 rows.append([str(round_), MODES[mode], result, *[""] * 6])
@@ -277,8 +305,10 @@ def main() -> None:
             copy_floor, read_floor = floors["4bit" if "4bit" in mode else ""]
             floor, which = (min(copy_floor, read_floor), "read") if mode in REREAD else (copy_floor, "copy")
             kept = f"{result['host_kept_mb']:.0f} MB" if "host_kept_mb" in result else ""
+            ratio = (f"{result['decode'] / single:.1f}x batch-1" if mode.startswith("batch") and single
+                     else f"{result['decode'] / floor:.2f}")
             rows.append([str(round_), MODES[mode], f"{result['decode']:.2f}", f"{floor:.1f} ({which})",
-                         f"{result['decode'] / floor:.2f}", f"{result['prefill']:.0f}", kept,
+                         ratio, f"{result['prefill']:.0f}", kept,
                          f"{result['gpu_peak_mib']} MiB", " ".join(map(str, result["tokens"]))])
     print(markdown_table(["round", "setting", "decode tok/s", "floor tok/s", "decode / floor", "prefill tok/s",
                           "page-locked host RAM", "GPU peak", "first tokens"], rows))
