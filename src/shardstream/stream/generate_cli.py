@@ -32,9 +32,17 @@ def generate_command(
     store_path: StorePath = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
+    tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
+    if tensor_parallel:
+        from ..tp.cli import generate_tp
+
+        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
+        generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
+                    not no_progress, [name for name, value in given.items() if value is not None])
+        return
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:

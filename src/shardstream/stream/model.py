@@ -352,6 +352,7 @@ class AutoModel:
         progress: bool = True,
         piece_bytes: int | None = None,
         max_host_memory: int | str | None = "auto",
+        tensor_parallel: bool = False,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -365,7 +366,16 @@ class AutoModel:
         `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
         after their first read, so that a token only copies them to the GPU ('auto': half the RAM
         available; 0: read every token).
+        `tensor_parallel=True`: this process is one rank of a torchrun group (or of an initialized
+        torch.distributed group); it reads and runs only its share of the weights (docs/TENSOR_PARALLEL.md),
+        all in memory: the streaming options do not apply.
         """
+        if tensor_parallel:
+            from ..tp.model import open_tensor_parallel
+
+            return open_tensor_parallel(lambda: ensure_store(
+                pretrained_model_name_or_path, layer_shards_saving_path, compression=compression, token=token,
+                revision=revision, progress=progress), device, dtype)
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
             sequential_shard_processing=sequential_shard_processing, compression=compression,
