@@ -70,6 +70,7 @@ def runs(tmp_path_factory):
     convert(folder / "llama" / "ckpt", folder / "llama-sliced", progress=False)
     export_tp(open_store(folder / "llama-sliced"), 2)
     stores["llama-sliced"], references["llama-sliced"] = folder / "llama-sliced", references["llama"]
+    export_tp(open_store(stores["phi3"]), 2)   # its fused slices are one block of rows: not a rank's heads
     jobs = [{"name": name, "stores": [str(store)] * 2} for name, store in stores.items()]
     jobs += [{"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
              {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]}]
@@ -100,6 +101,7 @@ def test_two_ranks_compute_what_transformers_computes(runs, name):
 def test_each_rank_reads_half_of_every_split_tensor_and_all_of_the_norms(runs, name):
     stores, _, results = runs
     manifest = open_store(stores[name]).manifest
+    assert not manifest.sharding
     norms = sum(r.length for n, r in manifest.tensors.items() if "norm" in n)
     split = sum(r.length for n, r in manifest.tensors.items() if "norm" not in n)
     for rank in (0, 1):
@@ -120,6 +122,20 @@ def test_exported_slices_are_read_as_the_rank_files(runs):
     for rank in (0, 1):
         files = {s.file for s in index.slices if s.rank == rank and s.count == 2}
         assert results["llama-sliced"][rank]["bytes_read"] == sum(index.files[f].size for f in files)
+
+
+def test_fused_projections_are_read_by_heads_even_where_slices_were_exported(runs):
+    stores, _, results = runs
+    manifest = open_store(stores["phi3"]).manifest
+    assert manifest.sharding
+    norms = sum(r.length for n, r in manifest.tensors.items() if "norm" in n)
+    split = sum(r.length for n, r in manifest.tensors.items() if "norm" not in n)
+    assert [results["phi3"][rank]["bytes_read"] for rank in (0, 1)] == [split // 2 + norms] * 2
+
+
+def test_sampling_draws_the_same_tokens_on_every_rank(runs):
+    _, _, results = runs
+    assert results["llama"][0]["sampled"] == results["llama"][1]["sampled"]
 
 
 def test_a_rank_started_with_another_model_is_refused(runs):

@@ -2,7 +2,7 @@
 
 argv[1] is a JSON file of jobs: {"name", "stores": [one store per rank], "out": folder}. For each job
 this rank opens its store with `AutoModel.from_pretrained(..., tensor_parallel=True)` and writes
-`<name>.<rank>.json` (bytes read, or the refusal's message); rank 0 also writes `<name>.pt` (logits
+`<name>.<rank>.json` (bytes read and sampled tokens, or the refusal's message); rank 0 also writes `<name>.pt` (logits
 and greedy tokens). One launch runs every job: starting ranks is most of a test's time.
 """
 
@@ -30,7 +30,10 @@ def run(job: dict, rank: int) -> None:
         return
     logits = model(IDS).logits
     tokens = model.generate(IDS, max_new_tokens=8, do_sample=False)
-    (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"bytes_read": model.bytes_read}))
+    torch.manual_seed(rank)   # each rank its own random state: rank 0's must be used
+    sampled = model.generate(IDS, max_new_tokens=8, do_sample=True, temperature=1.5)
+    (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"bytes_read": model.bytes_read,
+                                                                "sampled": sampled.tolist()}))
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens}, out / f"{job['name']}.pt")
 

@@ -39,7 +39,9 @@ def generate_command(
     if tensor_parallel:
         from ..tp.cli import generate_tp
 
-        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
+        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None,
+                 "--max-resident-memory": None if max_resident_memory == "auto" else max_resident_memory,
+                 "--max-host-memory": None if max_host_memory == "auto" else max_host_memory}
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
                     not no_progress, [name for name, value in given.items() if value is not None])
         return

@@ -37,12 +37,6 @@ class Take:
     def size(self) -> int:
         return sum(stop - start for start, stop in self.ranges)
 
-    def shape(self, full: list[int]) -> list[int]:
-        """The rank's shape of a tensor whose full shape is `full`."""
-        if self.dim is None:
-            return list(full)
-        return [self.size() if d == self.dim else n for d, n in enumerate(full)]
-
 
 WHOLE = Take(None)
 ZEROS = Take(None, zeros=True)
@@ -139,4 +133,13 @@ def take(module: str, role: str | None, kind: str, shape: list[int], config, hea
     if leaf in ("k_proj", "v_proj"):
         return Take(0, (kv_rows,))
     return Take(0, (_share(shape[0], rank, size, f"{module}'s output features", "intermediate_size"),))
+
+
+def is_exported_block(share: Take, split_dim: int | None, full: list[int], rank: int, size: int) -> bool:
+    """Whether `shardstream shard --tp` wrote exactly this share: one equal block of `full` along
+    `split_dim` (not a fused projection's heads and halves, nor a replicated KV head)."""
+    if share.dim is None or split_dim is None:
+        return share.dim == split_dim
+    step = full[split_dim] // size
+    return share.dim == split_dim and share.ranges == ((rank * step, (rank + 1) * step),)
 

@@ -23,7 +23,7 @@ from ..store.sharding import load_index
 from ..stream.model import build_meta_model, check_context
 from ..stream.weights import Slots, WeightMapper
 from .group import check_same_store, each_machine_once, join_group, leave_group
-from .layout import FUSED_QKV, Heads, Take, rank_heads, take, tp_roles
+from .layout import FUSED_QKV, Heads, Take, is_exported_block, rank_heads, take, tp_roles
 from .reading import ShareReader
 
 
@@ -63,8 +63,10 @@ class TensorParallelModel:
     def _exported_fit(self, shares: dict[str, Take]) -> bool:
         """Whether `shardstream shard --tp` wrote this rank exactly its shares (not so for fused
         projections, written as one block of rows, nor for replicated KV heads)."""
-        written = {s.tensor: s.shape for s in load_index(self.store).slices if s.rank == self.rank and s.count == self.size}
-        return all(written.get(key) == share.shape(self.store.manifest.tensors[key].shape) for key, share in shares.items())
+        written = {s.tensor: s.split_dim for s in load_index(self.store).slices if s.rank == self.rank and s.count == self.size}
+        return all(key in written and is_exported_block(share, written[key], self.store.manifest.tensors[key].shape,
+                                                        self.rank, self.size)
+                   for key, share in shares.items())
 
     def _read_exported(self, shares: dict[str, Take]) -> dict[str, torch.Tensor]:
         """Each part's rank file, checksum-verified (Store.load with tp_rank)."""
