@@ -42,8 +42,9 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 
 def _mqa_checkpoint(folder: Path):
-    """The tiny llama with one KV head: fewer KV heads than ranks (replicated on both)."""
-    settings = {**COMMON, **CONFIGS["llama"], "num_key_value_heads": 1}
+    """The tiny llama with one KV head: fewer KV heads than ranks (replicated on both); its padding
+    id is in rank 1's half of the vocabulary."""
+    settings = {**COMMON, **CONFIGS["llama"], "num_key_value_heads": 1, "pad_token_id": 127}
     settings.pop("model_type")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()

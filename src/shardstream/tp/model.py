@@ -44,11 +44,7 @@ class TensorParallelModel:
         roles = tp_roles(self.model)
         heads = rank_heads(self.model.config, self.rank, self.size)
         mapper = WeightMapper(self.model)
-        shares = {name: take(name.rpartition(".")[0], roles.get(name.rpartition(".")[0]), name.rpartition(".")[2],
-                             list(meta.shape), self.model.config, heads, self.rank, self.size)
-                  for name, meta in self.model.state_dict().items()}
-        keys = {key: mapper.target_names([key]) for key in store.manifest.tensors}
-        shares = {key: shares[next(iter(names))] for key, names in keys.items() if len(names) == 1}
+        shares = self._shares(mapper, roles, heads)
         self.bytes_read = 0
         if exported and self._exported_fit(shares):
             tensors = self._read_exported(shares)
@@ -59,6 +55,18 @@ class TensorParallelModel:
         self._hooks = self._add_collectives(roles)
 
     # -- reading -----------------------------------------------------------------------------
+
+    def _shares(self, mapper: WeightMapper, roles: dict[str, str], heads: Heads) -> dict[str, Take]:
+        """Stored tensor name -> this rank's share of it (the layout of the parameter it fills)."""
+        shares = {}
+        for key in self.store.manifest.tensors:
+            names = mapper.target_names([key])
+            if len(names) != 1:
+                continue   # nothing to fill (e.g. an old rotary buffer); a converted one is caught by _fill
+            module, _, kind = next(iter(names)).rpartition(".")
+            shares[key] = take(module, roles.get(module), kind, self.store.manifest.tensors[key].shape,
+                               self.model.config, heads, self.rank, self.size)
+        return shares
 
     def _exported_fit(self, shares: dict[str, Take]) -> bool:
         """Whether `shardstream shard --tp` wrote this rank exactly its shares (not so for fused
@@ -132,6 +140,7 @@ class TensorParallelModel:
             elif role == "head":
                 hooks.append(module.register_forward_hook(_gather_vocabulary(self.size)))
             elif role == "vocab":
+                module.padding_idx = None   # only gradients use it, and it may lie outside this rank's rows
                 rows = module.weight.shape[0]
                 pre, post = _vocabulary_lookup(self.rank * rows, (self.rank + 1) * rows)
                 hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
