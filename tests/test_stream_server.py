@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from shardstream.stream.stops import StopFilter
+from shardstream.serving.stops import StopFilter
 from tiny_models import llama_store_with_tokenizer
 
 KEY = "test-key"

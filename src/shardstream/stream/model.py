@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..quant import QuantizedTensor
+from ..serving.text import check_context
 from ..store import Store
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader
@@ -79,23 +80,6 @@ def common_module(names: set[str]) -> str:
     split = [name.split(".")[:-1] for name in names]
     prefix = os.path.commonprefix(split)
     return ".".join(prefix)
-
-
-def check_context(config, length: int, new_tokens: int) -> None:
-    """Refuse a prompt of `length` tokens (plus the tokens to generate) longer than the model's context."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if not limit:
-        return
-    if length > limit:
-        raise InvalidOption(
-            f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
-            f"is {limit}; shorten the prompt."
-        )
-    if length + new_tokens > limit:
-        raise InvalidOption(
-            f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
-            f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
-        )
 
 
 class StreamingModel:

@@ -49,10 +49,10 @@ def serve_command(
     listener = _bind(host, port)
     import uvicorn
 
-    from ..openai_api import RequestLog
-    from .batching import BatchEngine
-    from .server import create_app
-    from .text import eos_ids, load_tokenizer, pad_id
+    from ..serving.openai_api import RequestLog
+    from ..serving.batching import BatchEngine
+    from ..serving.server import create_app
+    from ..serving.text import eos_ids, load_tokenizer, pad_id
 
     _log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest, check_model, install_api_key,
+from .openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest, check_model, install_api_key,
                           install_errors)
 from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter

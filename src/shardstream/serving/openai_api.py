@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ShardstreamError
+from ..errors import ShardstreamError
 
 HEALTH_PATH = "/health"
 
