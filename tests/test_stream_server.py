@@ -242,6 +242,7 @@ def test_chat_template_parts_n_and_role_delta(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}},
      400, "response_format", "response_format type 'json_object' is not supported"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0, "logprobs": 0}, 400, "max_tokens", "only with echo"),
+    ("/v1/completions", {"prompt": "\u00e9"}, 400, "prompt", "prompt gives no tokens"),   # the tokenizer lacks é
 ])
 def test_bad_requests_get_openai_shaped_errors(server, path, body, status, param, words):
     _, http, _, _, _ = server
