@@ -54,8 +54,19 @@ def generate_command(
         return
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
+    _check_utf8(prompt)
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
                 max_resident_memory, device, store_path, profile, not no_progress, max_host_memory)
+
+
+def _check_utf8(prompt: str) -> None:
+    """A byte that is not UTF-8 reaches Python as a lone surrogate (surrogateescape), which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(prompt[error.start]) - 0xDC00   # surrogateescape's code for the byte
+        raise InvalidOption(f"--prompt is not UTF-8 text (byte 0x{byte:02X} at character {error.start}); "
+                            "give the prompt in UTF-8, or convert it first (iconv -t UTF-8).") from None
 
 
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
