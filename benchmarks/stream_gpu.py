@@ -25,7 +25,7 @@ Settings (`--modes`):
   this one when airllm imports here.
 - gpu: transformers with the whole model on the GPU (the compute floor).
 - batch-N: N concurrent greedy requests (--prompt tokens each, --new-tokens new) in the batch engine that
-  `serve` runs (stream/batching.py), on the host tier; aggregate generated tokens per second, prefill
+  `serve` runs (serving/batching.py), on the host tier; aggregate generated tokens per second, prefill
   included. The row's ratio is against batch-1 of the same round.
 
 Floors, per store: the copy floor is the blocks' bytes per token over the best page-locked host-to-device
@@ -185,7 +185,7 @@ def run_batch(model, requests: int, args, vocab: int) -> dict:
     """`requests` concurrent greedy requests through the batch engine, after one untimed request."""
     import torch
 
-    from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+    from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
 
     prompts = [torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(requests)]

@@ -23,8 +23,8 @@ from shardstream.quant import QuantizedTensor
 from shardstream.shard import place_experts
 from shardstream.store import open_store
 from shardstream.stream import AutoModel, StreamingModel
-from shardstream.stream.admission import room
-from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+from shardstream.serving.admission import room
+from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
 from shardstream.stream.prefetch import CopyAhead
 from shardstream.stream.residency import AUTO_SHARE, resolve_budget
 from tiny_models import char_tokenizer, save_checkpoint

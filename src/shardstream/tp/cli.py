@@ -18,8 +18,8 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
 
     from ..stream.cli import check_device
     from ..stream.model import AutoModel
-    from ..stream.stops import stop_streamer
-    from ..stream.text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.stops import stop_streamer
+    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     check_device(device)
     with AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
