@@ -1,42 +1,104 @@
-"""Streaming on a CUDA GPU that holds none of the blocks between tokens, as when the model is larger
-than VRAM: decode speed against the copy floor and accelerate's CPU offload, as markdown.
+"""Streaming to a CUDA GPU that holds none of the blocks between tokens (a model larger than its VRAM),
+against the floors of the bus and the disk and against the peers on the same GPU, as markdown.
 
-The model is benchmarks/stream.py's (`--size`). Its block files sit in the page cache (host RAM is
-plenty here), so every token copies every block from host RAM to the GPU. The floor is the bytes of
-blocks per token over the best pinned host-to-device copy speed. Each mode runs in its own process:
-- stream: shardstream with device="cuda", max_resident_memory=0 (every block copied every token), its
-  host tier keeping the blocks page-locked in host RAM after their first read (max_host_memory="auto");
-- stream-reread: the same with max_host_memory=0: every token reads the blocks again (from the page
-  cache into page-locked buffers), as when they do not fit in RAM;
-- resident: shardstream with max_resident_memory=None (every block kept on the GPU: no copies);
-- accelerate: transformers with device_map putting the blocks on "cpu" (accelerate's CPU offload,
-  which moves each block's weights to the GPU when it runs);
+Models (`--shape`): `reference`, benchmarks/stream.py's model (`--size`, fp32 Llama, vocab 512), or a
+real shape from scripts/real_shapes.py (`llama-3.2-1b`: bf16, vocab 128256, tied). A 4-bit store of the
+same checkpoint is made for the `-4bit` settings. Each setting runs in its own process: one untimed
+prefill and two decode steps, then a `--prompt`-token prefill and `--new-tokens` greedy decode steps with
+the KV cache, timed; every setting's first tokens are printed (they must agree, the 4-bit ones among
+themselves).
+
+Settings (`--modes`):
+- stream: shardstream, max_resident_memory=0 (every block copied every token), its host tier keeping the
+  blocks page-locked in host RAM after their first read; the computing thread queues the copies ahead
+  (prefetch.CopyAhead). stream-readers: the same with the reader threads queueing them
+  (SHARDSTREAM_COPY_AHEAD=0), as before.
+- stream-reread: max_host_memory=0, every token reads the blocks again through the page cache (which holds
+  them: host RAM is plenty here). stream-direct: the same with O_DIRECT, every token from the disk, as
+  when the model is larger than host RAM (AirLLM's case).
+- stream-4bit, stream-4bit-direct: the same two on the 4-bit store: the codes cross the bus, the GPU
+  dequantizes them.
+- resident: every block kept on the GPU (max_resident_memory=None).
+- accelerate: transformers with the blocks on "cpu" (accelerate's CPU offload); accelerate-disk: on "disk"
+  (its disk offload, an offload folder of .dat files).
+- airllm: AirLLM 4.0 (`device="cuda"`), from the checkpoint, run by the interpreter `--airllm` names, or
+  this one when airllm imports here.
 - gpu: transformers with the whole model on the GPU (the compute floor).
+- batch-N: N concurrent greedy requests (--prompt tokens each, --new-tokens new) in the batch engine that
+  `serve` runs (serving/batching.py), on the host tier; aggregate generated tokens per second, prefill
+  included. The row's ratio is against batch-1 of the same round.
 
-Run on a machine with a GPU: `python benchmarks/stream_gpu.py [--size 1.5gb] [--rounds 3]`.
+Floors, per store: the copy floor is the blocks' bytes per token over the best page-locked host-to-device
+copy of one block; the read floor is the blocks' bytes over the best O_DIRECT read of the block files into
+page-locked buffers (1-4 reads in flight; nothing from the page cache). A setting that reads every token
+is bound by the slower of the two.
+
+Run on a machine with a GPU: `python benchmarks/stream_gpu.py [--shape llama-3.2-1b] [--rounds 1]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _measure import markdown_table  # noqa: E402
-from stream import SIZES, build  # noqa: E402
+from stream import SIZES, with_tokenizer  # noqa: E402
+from stream import build as build_reference  # noqa: E402
 
 MB = 1e6
-MODES = {"stream": "shardstream, every block copied every token from page-locked host RAM",
-         "stream-reread": "shardstream, every block read and copied every token", "resident": "shardstream, every block resident",
-         "accelerate": "accelerate CPU offload (device_map blocks=\"cpu\")", "gpu": "transformers, whole model on the GPU"}
+MODES = {"stream": "shardstream, host tier (blocks page-locked in host RAM), copies queued by the computing thread",
+         "stream-readers": "shardstream, host tier, copies queued by the reader threads",
+         "stream-reread": "shardstream, every block read again every token (page cache)",
+         "stream-direct": "shardstream, every block read again every token from disk (O_DIRECT)",
+         "stream-4bit": "shardstream, 4-bit store, host tier, dequantized on the GPU",
+         "stream-4bit-direct": "shardstream, 4-bit store, read from disk every token (O_DIRECT)",
+         "resident": "shardstream, every block resident on the GPU",
+         "accelerate": "accelerate CPU offload (blocks on \"cpu\")",
+         "accelerate-disk": "accelerate disk offload (blocks on \"disk\")",
+         "airllm": "AirLLM 4.0, device=\"cuda\"",
+         "gpu": "transformers, whole model on the GPU",
+         **{f"batch-{n}": f"shardstream batch engine (as serve), host tier, {n} concurrent requests" for n in (1, 8, 32)}}
+REREAD = ("stream-direct", "stream-4bit-direct")
+
+
+def build(args) -> tuple[Path, Path, Path]:
+    """Checkpoint, store and 4-bit store under --workdir, made once and reused."""
+    from shardstream.convert import convert
+
+    if args.shape == "reference":
+        ckpt, store = build_reference(args)
+    else:
+        from real_shapes import write_checkpoint
+
+        ckpt = write_checkpoint(args.shape, Path(args.workdir) / args.shape / "ckpt")
+        store = ckpt.parent / "store"
+        if not (store / "manifest.json").exists():
+            convert(ckpt, store, progress=False)
+    with_tokenizer(ckpt)   # AirLLM loads one
+    store4 = store.parent / "store-4bit"
+    if not (store4 / "manifest.json").exists():
+        convert(ckpt, store4, compression="4bit", progress=False)
+    return ckpt, store, store4
+
+
+def block_files(store: Path) -> list[Path]:
+    from shardstream.store import open_store
+
+    opened = open_store(store)
+    return [store / f for p in opened.parts if p.startswith("mid/") for f in opened.manifest.parts[p].files]
 
 
 def copy_speed(nbytes: int, repeats: int = 5) -> float:
-    """Bytes/s of the best pinned host-to-device copy of `nbytes`."""
+    """Bytes/s of the best page-locked host-to-device copy of `nbytes`."""
     import torch
 
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -51,34 +113,105 @@ def copy_speed(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def open_backend(mode: str, ckpt: Path, store: Path):
+def read_speed(path: Path) -> tuple[float, int]:
+    """(bytes/s, readers) of the best O_DIRECT read of the store's block files whole into page-locked
+    buffers, as the loader reads them (direct.read_ranges into a BufferPool(pin=True)), with 1, 2 and 4
+    readers."""
+    from shardstream.store import open_store
+    from shardstream.stream.direct import BufferPool, aligned, read_ranges
+
+    store = open_store(path)
+    names = [f for p in store.parts if p.startswith("mid/") for f in store.manifest.parts[p].files]
+    best = (0.0, 0)
+    for readers in (1, 2, 4):
+        pool = BufferPool(pin=True)
+        buffers = [pool.take(max(store.manifest.files[n].size for n in names)) for _ in range(readers)]
+        pending = list(names)
+        lock = threading.Lock()
+
+        def reader(buffer) -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    name = pending.pop()
+                read_ranges(store, name, [(0, aligned(store.manifest.files[name].size))], buffer, 0, direct=True)
+
+        threads = [threading.Thread(target=reader, args=(b,)) for b in buffers]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        speed = sum(store.manifest.files[n].size for n in names) / (time.perf_counter() - started)
+        pool.give(buffers)
+        pool.close()
+        best = max(best, (speed, readers))
+    return best
+
+
+def open_backend(mode: str, ckpt: Path, store: Path, store4: Path, dtype):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if mode.split("-")[0] in ("stream", "resident"):
+    if mode.startswith("stream") or mode == "resident":
         from shardstream.stream import AutoModel
 
-        return AutoModel.from_pretrained(store, device="cuda", max_resident_memory=0 if mode.startswith("stream") else None,
-                                         max_host_memory=0 if mode == "stream-reread" else "auto",
+        if mode == "stream-readers":
+            os.environ["SHARDSTREAM_COPY_AHEAD"] = "0"
+        os.environ["SHARDSTREAM_DIRECT_IO"] = "on" if mode in REREAD else "off"
+        return AutoModel.from_pretrained(store4 if "4bit" in mode else store, device="cuda",
+                                         max_resident_memory=None if mode == "resident" else 0,
+                                         max_host_memory=0 if "reread" in mode or mode in REREAD else "auto",
                                          progress=False)   # no profiling_mode: its per-block synchronize serializes the copies
-    if mode == "accelerate":
+    if mode.startswith("accelerate"):
         layers = AutoConfig.from_pretrained(ckpt).num_hidden_layers
+        where = "disk" if mode == "accelerate-disk" else "cpu"
         device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0,
-                      **{f"model.layers.{i}": "cpu" for i in range(layers)}}
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, device_map=device_map).eval()
+                      **{f"model.layers.{i}": where for i in range(layers)}}
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, device_map=device_map,
+                                                    offload_folder=str(ckpt.parent / "offload")).eval()
+    if mode == "airllm":
+        from airllm import AutoModel as AirLLMModel
+
+        return AirLLMModel.from_pretrained(str(ckpt), device="cuda:0", dtype=dtype,
+                                           layer_shards_saving_path=str(ckpt.parent / "airllm-layers"))
     if mode == "gpu":
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).cuda().eval()
     raise SystemExit(f"unknown mode {mode}")
 
 
-def run_one(mode: str, args) -> dict:
-    """Prefill, then --new-tokens greedy decode steps with the KV cache; tokens/s of each, and the first
-    tokens (every mode must give the same)."""
+def run_batch(model, requests: int, args, vocab: int) -> dict:
+    """`requests` concurrent greedy requests through the batch engine, after one untimed request."""
     import torch
 
-    ckpt, store = build(args)
-    model = open_backend(mode, ckpt, store)
-    ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
+
+    prompts = [torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(requests)]
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=requests) as engine:
+        list(engine.submit(prompts[0][:4], SamplingParams(max_new_tokens=2)))
+        started = time.perf_counter()
+        sequences = [engine.submit(p, SamplingParams(max_new_tokens=args.new_tokens)) for p in prompts]
+        tokens = [[e.token for e in sequence if e.token != NO_TOKEN] for sequence in sequences]
+        seconds = time.perf_counter() - started
+    return {"decode": sum(map(len, tokens)) / seconds, "prefill": requests * args.prompt / seconds,
+            "tokens": tokens[0][:8], "gpu_peak_mib": torch.cuda.max_memory_allocated() // (1 << 20),
+            "passes": engine.forward_passes}
+
+
+def run_one(mode: str, args) -> dict:
+    """Prefill, then --new-tokens greedy decode steps with the KV cache; tokens/s of each, and the first tokens."""
+    import torch
+    from transformers import AutoConfig
+
+    ckpt, store, store4 = build(args)
+    config = AutoConfig.from_pretrained(ckpt)
+    dtype = torch.float32 if args.shape == "reference" else torch.bfloat16
+    model = open_backend("stream" if mode.startswith("batch") else mode, ckpt, store, store4, dtype)
+    if mode.startswith("batch"):
+        return run_batch(model, int(mode.split("-")[1]), args, config.vocab_size)
+    ids = torch.randint(3, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     tokens = []
     with torch.no_grad():
         for warm in (True, False):  # the first pass warms CUDA's kernels and allocator
@@ -101,13 +234,18 @@ def run_one(mode: str, args) -> dict:
               "gpu_peak_mib": torch.cuda.max_memory_allocated() // (1 << 20)}
     if mode.startswith("stream"):
         result["host_kept_mb"] = model._loader._kept_bytes / MB
+        result["copy_ahead"] = type(model._streaming._source).__name__ == "CopyAhead"
     return result
 
 
 def child(args, mode: str) -> dict | str:
-    command = [sys.executable, __file__, "--run", mode, "--size", args.size, "--prompt", str(args.prompt),
+    python = args.airllm if mode == "airllm" and args.airllm else sys.executable
+    command = [python, __file__, "--run", mode, "--shape", args.shape, "--size", args.size, "--prompt", str(args.prompt),
                "--new-tokens", str(args.new_tokens), "--workdir", args.workdir]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"timeout ({args.timeout} s)"
     if run.returncode != 0:
         return f"failed: {(run.stderr.strip().splitlines() or ['?'])[-1][:160]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -115,12 +253,14 @@ def child(args, mode: str) -> dict | str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="722mb")
+    parser.add_argument("--shape", default="reference", help="reference (see --size) or a scripts/real_shapes.py shape")
+    parser.add_argument("--size", choices=sorted(SIZES), default="722mb", help="the reference model's size")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--workdir", default="artifacts/bench-stream")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of every mode, alternating")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every setting, alternating")
+    parser.add_argument("--airllm", help="python of an environment holding airllm==4.0.0 (default: this one)")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -131,34 +271,49 @@ def main() -> None:
 
     import torch
 
-    from shardstream.store import open_store
-
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/stream_gpu.py needs a CUDA GPU, and torch sees none here "
                          f"(torch {torch.__version__}); run it on a machine with one.")
-    _, store = build(args)
-    opened = open_store(store)
-    per_token = sum(opened.part_nbytes(p) for p in opened.parts if p.startswith("mid/"))
+    modes = [m for m in args.modes.split(",") if m != "airllm" or args.airllm or importlib.util.find_spec("airllm")]
+    ckpt, store, store4 = build(args)
+    stores = {"": store, "4bit": store4}
+    nbytes = {k: sum(f.stat().st_size for f in block_files(s)) for k, s in stores.items()}
+    largest = max(f.stat().st_size for f in block_files(store))
+    name = args.shape if args.shape != "reference" else f"reference ({args.size})"
     print(f"Command: `python {' '.join(['benchmarks/stream_gpu.py', *sys.argv[1:]])}`; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {torch.cuda.get_device_name(0)}, torch "
-          f"{torch.__version__}. Blocks: {per_token / MB:.0f} MB per token.\n")
+          f"{torch.__version__}. Model {name}: {nbytes[''] / MB:.0f} MB of blocks per token, "
+          f"{nbytes['4bit'] / MB:.0f} MB in the 4-bit store.\n")
     rows = []
     for round_ in range(1, args.rounds + 1):
-        speed = copy_speed(max(opened.part_nbytes(p) for p in opened.parts if p.startswith("mid/")))
-        floor = speed / per_token
-        for mode in args.modes.split(","):
+        copy = copy_speed(largest)
+        reads = {k: read_speed(s) for k, s in stores.items()}
+        floors = {k: (copy / nbytes[k], reads[k][0] / nbytes[k]) for k in stores}
+        for k in stores:
+            print(f"round {round_} floors {k or 'store'}: copy {copy / 1e9:.1f} GB/s ({floors[k][0]:.1f} tok/s), "
+                  f"O_DIRECT read {reads[k][0] / 1e9:.2f} GB/s with {reads[k][1]} readers ({floors[k][1]:.1f} tok/s)",
+                  file=sys.stderr, flush=True)
+        single = None
+        for mode in modes:
             result = child(args, mode)
+            if mode == "batch-1" and isinstance(result, dict):
+                single = result["decode"]
             print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
             if isinstance(result, str):
                 rows.append([str(round_), MODES[mode], result, *[""] * 6])
                 continue
+            copy_floor, read_floor = floors["4bit" if "4bit" in mode else ""]
+            floor, which = (min(copy_floor, read_floor), "read") if mode in REREAD else (copy_floor, "copy")
             kept = f"{result['host_kept_mb']:.0f} MB" if "host_kept_mb" in result else ""
-            rows.append([str(round_), MODES[mode], f"{result['decode']:.1f}", f"{floor:.1f} ({speed / 1e9:.1f} GB/s)",
-                         f"{result['decode'] / floor:.2f}", f"{result['prefill']:.0f}", kept,
-                         f"{result['gpu_peak_mib']} MiB"])
-            rows[-1].append(" ".join(map(str, result["tokens"])))
-    print(markdown_table(["round", "setting", "decode tok/s", "copy floor tok/s", "decode / floor", "prefill tok/s",
+            ratio = (f"{result['decode'] / single:.1f}x batch-1" if mode.startswith("batch") and single
+                     else f"{result['decode'] / floor:.2f}")
+            rows.append([str(round_), MODES[mode], f"{result['decode']:.2f}", f"{floor:.1f} ({which})",
+                         ratio, f"{result['prefill']:.0f}", kept,
+                         f"{result['gpu_peak_mib']} MiB", " ".join(map(str, result["tokens"]))])
+    print(markdown_table(["round", "setting", "decode tok/s", "floor tok/s", "decode / floor", "prefill tok/s",
                           "page-locked host RAM", "GPU peak", "first tokens"], rows))
+    print(f"\nFloors: copy {copy / 1e9:.1f} GB/s; O_DIRECT read {reads[''][0] / 1e9:.2f} GB/s "
+          f"({reads[''][1]} readers), 4-bit store {reads['4bit'][0] / 1e9:.2f} GB/s.")
 
 
 if __name__ == "__main__":

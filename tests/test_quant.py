@@ -172,6 +172,18 @@ def test_dequantize_into_a_given_buffer_writes_every_value_there(method: str, dt
         quant.dequantize(q.data, q.absmax, q.meta, torch.empty(6 * 130, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 130), (3, 64), (7,)])
+def test_elementwise_dequantization_a_gpu_runs_gives_the_same_values(method: str, dtype: torch.dtype, shape) -> None:
+    # On a GPU a block is copied as its codes and dequantized there by these elementwise kernels (loader.to_device);
+    # run here on the CPU, they must give the very values the host's dequantization gives (odd sizes, last block short).
+    q = quant.quantize(randn(*shape, dtype=dtype), method)
+    values = quant._dequantize_elementwise(q.data, q.absmax, method, q.meta["blocksize"], torch.Size(shape).numel())
+    assert values.dtype == torch.float32
+    assert torch.equal(values.to(dtype).view(shape), quant.dequantize(q.data, q.absmax, q.meta))
+
+
 def test_empty_tensor_round_trips() -> None:
     assert round_trip(torch.zeros(0, 8), "4bit").shape == (0, 8)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ from shardstream.store import load_manifest, open_store
 from shardstream.stream import AutoModel, StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
+from shardstream.stream.profile import Profile
 from shardstream.stream.residency import choose_resident, resolve_budget, resolve_host_budget
 from tiny_models import save_checkpoint
 
@@ -257,3 +259,72 @@ def test_prompt_longer_than_the_context_is_refused(llama):
             model(_prompts(batch=1, length=65))
         with pytest.raises(InvalidOption, match="at most 4 new tokens"):
             model.generate(_prompts(batch=1, length=60), max_new_tokens=10)
+
+
+# -- AirLLM's from_pretrained (issue 29) ------------------------------------------------------
+
+AIRLLM_PARAMETERS = ("device", "dtype", "max_seq_len", "layer_shards_saving_path", "profiling_mode", "compression",
+                     "hf_token", "prefetching", "delete_original", "install_hooks", "load_resident")
+
+
+def test_a_store_named_as_its_own_saving_path_opens(llama):
+    """AirLLM code passes the store again as layer_shards_saving_path; that failed with "has neither
+    model.safetensors..." once the cache was keyed by source."""
+    reference, store_path = llama
+    ids = _prompts(batch=1)
+    for saving_path in (store_path, str(store_path) + "/"):
+        with AutoModel.from_pretrained(str(store_path), layer_shards_saving_path=saving_path) as model:
+            with torch.no_grad():
+                assert (model(ids).logits - reference(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def test_compression_other_than_the_stores_is_refused_not_ignored(tmp_path, monkeypatch):
+    """compression="4bit" against an fp32 store the user names was silently ignored; the cache keeps a
+    4-bit copy beside the plain one."""
+    _, store_path = _make(tmp_path, "llama")
+    words = f"{store_path} holds a store converted with compression none, not 4bit; leave compression out"
+    with pytest.raises(InvalidOption, match=words):
+        AutoModel.from_pretrained(store_path, compression="4bit")
+    with pytest.raises(InvalidOption, match=words):
+        AutoModel.from_pretrained(tmp_path / "ckpt", layer_shards_saving_path=store_path, compression="4bit")
+    assert load_manifest(store_path).compression is None
+    monkeypatch.setenv("SHARDSTREAM_CACHE", str(tmp_path / "cache"))
+    with AutoModel.from_pretrained(tmp_path / "ckpt", progress=False) as plain, \
+            AutoModel.from_pretrained(tmp_path / "ckpt", compression="4bit", progress=False) as packed:
+        assert (plain.store.manifest.compression, packed.store.manifest.compression) == (None, "4bit")
+        assert packed.store.root.name.startswith("ckpt-4bit-") and plain.store.root.parent == packed.store.root.parent
+
+
+def test_every_airllm_parameter_is_taken(llama):
+    """AirLLM 4.0's AutoModel.from_pretrained parameters: the same meaning, or refused by name."""
+    reference, store_path = llama
+    assert set(AIRLLM_PARAMETERS) <= set(inspect.signature(AutoModel.from_pretrained).parameters)
+    ids = _prompts(batch=1, length=15)
+    with AutoModel.from_pretrained(store_path, device="cpu", dtype=torch.float32, max_seq_len=20,
+                                   layer_shards_saving_path=store_path, profiling_mode=False, compression=None,
+                                   hf_token="hf_unused_for_a_local_store", prefetching=True, delete_original=False,
+                                   install_hooks=True, load_resident=True) as model:
+        want = reference.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0), want)
+        with pytest.raises(InvalidOption, match=r"plus max_new_tokens \(6\) is more than the max_seq_len=20"):
+            model.generate(ids, max_new_tokens=6)
+    for options, words in (({"install_hooks": False}, "install_hooks=False .* not supported"),
+                           ({"load_resident": False}, "load_resident=False .* not supported"),
+                           ({"token": "a", "hf_token": "b"}, "token and hf_token .* differ"),
+                           ({"max_seq_len": 0}, "max_seq_len must be at least 1")):
+        with pytest.raises(InvalidOption, match=words):
+            AutoModel.from_pretrained(store_path, **options)
+
+
+def test_profiling_with_every_block_resident_says_so(llama, capsys):
+    """It printed a table with no block in it."""
+    _, store_path = llama
+    with AutoModel.from_pretrained(store_path, max_resident_memory=None, profiling_mode=True) as model:
+        model.generate(_prompts(batch=1), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    printed = capsys.readouterr().err
+    assert "profile: no block was streamed in this call, so there was no read to time: 4 of 4 blocks are resident" \
+        in printed and "| block |" not in printed
+    profile = Profile()
+    profile.record(2, 0.01, 0.0, 0.02)
+    assert profile.table([0, 1], 3).endswith("2 of 3 blocks are resident (max_resident_memory keeps them in "
+                                             "memory) and not listed: 0, 1.")

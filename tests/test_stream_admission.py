@@ -3,7 +3,7 @@ estimate under the real peak lets a batch outgrow the memory it was admitted for
 one far over it holds the batch back. Here the real peak of a prefill pass is measured for every family,
 in a fresh process (the rise of its peak resident memory over the pass, with glibc mapping large
 allocations on their own and handing freed memory back, and the pass reusing its large blocks
-(`stream/pass_memory.py`), as the engine has it), and must stay within the estimate."""
+(`serving/pass_memory.py`), as the engine has it), and must stay within the estimate."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream.stream.native import find_compiler
+from shardstream.native import find_compiler
 from tiny_models import COMMON, CONFIGS
 
 HIDDEN = 256          # wide enough that a pass's activations are mapped (>= 1 MiB), not drawn from the heap
@@ -51,9 +51,9 @@ def _measure_all() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardstream.stream import pass_memory
-    from shardstream.stream.admission import Shape, _libc, map_large_allocations
-    from shardstream.stream.kvcache import reserved_bytes, reserved_cache
+    from shardstream.serving import pass_memory
+    from shardstream.serving.admission import Shape, _libc, map_large_allocations
+    from shardstream.serving.kvcache import reserved_bytes, reserved_cache
 
     map_large_allocations()
     pass_memory.install()   # as the engine does: where no compiler builds it, passes run without it

@@ -14,7 +14,7 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
-from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
+from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
 from tiny_models import save_checkpoint, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
@@ -269,7 +269,7 @@ def test_the_reserved_cache_writes_in_place_and_gives_transformers_logits(family
     of transformers' own DynamicCache, bit for bit."""
     from transformers import DynamicCache
 
-    from shardstream.stream import kvcache
+    from shardstream.serving import kvcache
 
     model = tiny_model(family).eval()
     ids = torch.tensor([_prompt(6, 1), _prompt(6, 2)])
@@ -289,8 +289,8 @@ def test_the_reserved_cache_writes_in_place_and_gives_transformers_logits(family
 def test_the_batch_takes_the_memory_admission_counted(llama):
     """The running batch's reservation is exactly what admission's kv_peak counts for it (rows x
     (widest row + most tokens still to come) x KV bytes per token), after joins and leaves."""
-    from shardstream.stream import kvcache
-    from shardstream.stream.admission import kv_peak
+    from shardstream.serving import kvcache
+    from shardstream.serving.admission import kv_peak
 
     _, model = llama
     seen = []

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +104,14 @@ def test_generate_command_refuses_conflicting_options(tiny, options, words):
     store, _, _ = tiny
     with pytest.raises(InvalidOption, match=words):
         generate_command(str(store), **options)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_and_exit_1(tiny):
+    """Issue 29: a Latin-1 byte in --prompt (as a shell in another locale passes it) was a 40-line traceback."""
+    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    done = subprocess.run([shardstream, "generate", str(tiny[0]), "--prompt", b"caf\xe9"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --prompt is not UTF-8 text (byte 0xE9 at character 3); give the prompt in UTF-8, or convert it "
+        "first (iconv -t UTF-8)."]

@@ -19,11 +19,13 @@ from conftest_data import write_txt
 
 from shardstream.convert import convert
 from shardstream.memory import gpu_free_bytes
+from shardstream.quant import QuantizedTensor
 from shardstream.shard import place_experts
 from shardstream.store import open_store
 from shardstream.stream import AutoModel, StreamingModel
-from shardstream.stream.admission import room
-from shardstream.stream.batching import NO_TOKEN, BatchEngine, SamplingParams
+from shardstream.serving.admission import room
+from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
+from shardstream.stream.prefetch import CopyAhead
 from shardstream.stream.residency import AUTO_SHARE, resolve_budget
 from tiny_models import char_tokenizer, save_checkpoint
 
@@ -80,9 +82,10 @@ def test_prefetch_residency_pieces_and_host_tier_give_the_same_logits_on_the_gpu
         elif options.get("max_host_memory", "auto") == 0:  # read every token into page-locked buffers, copied from there
             assert not loader._kept and loader._pool.allocated
             assert all(torch.frombuffer(b, dtype=torch.uint8).is_pinned() for b in loader._pool._free)
-        else:   # every streamed piece was read once and stays page-locked in host RAM
+        else:   # every streamed piece was read once and stays page-locked in host RAM, copied ahead by the computing thread
             assert set(loader._kept) == _piece_keys(model)
             assert all(t.is_pinned() for piece in loader._kept.values() for t in piece.values())
+            assert isinstance(model._streaming._source, CopyAhead) == options.get("prefetching", True)
 
 
 def test_a_host_budget_keeps_the_first_pieces_and_reads_the_others(tmp_path):
@@ -109,7 +112,16 @@ def test_a_4bit_store_on_the_gpu_matches_its_dequantized_weights(tmp_path, host)
         want = on_cpu(ids.cpu()).logits
         for _ in range(2):   # the second pass copies what the first one kept, when it kept
             assert (on_gpu(ids).logits.cpu() - want).abs().max().item() <= TOLERANCE
-        assert bool(on_gpu._loader._kept) == (host == "auto")
+        loader = on_gpu._loader
+        assert bool(loader._kept) == (host == "auto")
+        # the codes cross the bus and stay in host RAM packed: no dequantization buffer on the host
+        assert not any(loader._decoded.values())
+        if host == "auto":
+            kept = [t for piece in loader._kept.values() for t in piece.values()]
+            quantized = sum(1 for r in store.manifest.tensors.values() if r.quant and r.part.startswith("mid/"))
+            assert sum(isinstance(t, QuantizedTensor) for t in kept) == quantized > 0
+            streamed = sum(on_gpu._slots[k].nbytes for k in on_gpu.pieces)
+            assert loader._kept_bytes < streamed / 4
 
 
 def test_experts_read_on_demand_from_two_tiers_on_the_gpu(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from shardstream.errors import InvalidOption, OutputMismatch
 from shardstream.stream.generate_cli import generate_command
-from shardstream.stream.offline import Prompt, length_order, read_prompts, resume
+from shardstream.serving.offline import Prompt, length_order, read_prompts, resume
 from tiny_models import llama_store_with_tokenizer
 
 PROMPTS = ["Hello, world", "abc", "The quick brown fox jumps", "x", "Streaming is fun", "0123456789 0123"]

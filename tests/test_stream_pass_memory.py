@@ -1,4 +1,4 @@
-"""The batch engine's pass allocator (stream/pass_memory.py): within a pass, large blocks freed are
+"""The batch engine's pass allocator (serving/pass_memory.py): within a pass, large blocks freed are
 reused by later allocations; at the end of the pass they go back to the system; outside passes
 nothing is kept. Each check runs in a fresh process, since the allocator is installed process-wide."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream.stream.native import find_compiler
+from shardstream.native import find_compiler
 
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -31,7 +31,7 @@ BLOCKS = """
 import json, re
 from pathlib import Path
 import torch
-from shardstream.stream import pass_memory
+from shardstream.serving import pass_memory
 
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) >> 10
@@ -76,8 +76,8 @@ def test_a_pass_reuses_its_large_blocks_and_gives_them_back_when_it_ends(tmp_pat
 ENGINE = """
 import json, logging, io, torch
 from tiny_models import tiny_model
-from shardstream.stream import pass_memory
-from shardstream.stream.batching import BatchEngine, SamplingParams
+from shardstream.serving import pass_memory
+from shardstream.serving.batching import BatchEngine, SamplingParams
 stream = io.StringIO()
 logging.basicConfig(stream=stream, level=logging.INFO)
 model = tiny_model("llama")

@@ -20,7 +20,7 @@ from shardstream.convert import convert
 from shardstream.errors import StoreCorrupt
 from shardstream.shard import place_experts
 from shardstream.store import open_store
-from shardstream.stream import StreamingModel, pieces, quant_linear
+from shardstream.stream import StreamingModel, pieces, prefetch, quant_linear
 from shardstream.stream.direct import ENV
 from tiny_models import CONFIGS, save_checkpoint
 
@@ -141,6 +141,33 @@ def test_a_piece_asked_for_out_of_order_is_read_again_with_a_warning(tmp_path, c
         assert any(f"wanted block 0 piece {index} but had read block 0 piece 0" in m for m in messages), messages
         with torch.no_grad():
             assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
+
+
+def test_pieces_loaded_ahead_by_the_computing_thread_stay_exact(tmp_path):
+    """Where loading a piece only queues its copy to the GPU (every piece kept page-locked), the computing
+    thread loads the pieces ahead itself (prefetch.CopyAhead): the CPU runs the same logic when told so.
+    Each piece is loaded once a pass, `depth` ahead, and a module run out of order restarts the cycle."""
+    reference, store = _store(tmp_path)
+    with StreamingModel(store, max_resident_memory=0, prefetch_depth=2) as model:
+        model._loader.copies_only = lambda keys: True
+        loaded = []
+        real_load = model._streaming._load
+
+        def load(key):
+            loaded.append(key)
+            return real_load(key)
+
+        model._streaming._load = load
+        with torch.no_grad():
+            want = reference(IDS).logits
+            model(IDS)   # the first pass learns the order, read by the reader threads
+            assert isinstance(model._streaming._source, prefetch.CopyAhead)
+            loaded.clear()
+            assert (model(IDS).logits - want).abs().max().item() <= TOLERANCE
+            order = model._streaming.order
+            assert loaded == order + order[:2]   # each piece once, then the next pass's first two ahead
+            model.model.model.layers[0].self_attn.k_proj(torch.ones(1, model.config.hidden_size))
+            assert (model(IDS).logits - want).abs().max().item() <= TOLERANCE
 
 
 def test_on_demand_experts_stream_with_pieces_and_leave_nothing_behind(tmp_path):

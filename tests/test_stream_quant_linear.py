@@ -18,7 +18,7 @@ from shardstream import quant
 from shardstream.convert import convert
 from shardstream.stream import AutoModel, quant_linear
 from shardstream.store import open_store
-from shardstream.stream.native import find_compiler
+from shardstream.native import find_compiler
 from tiny_models import save_checkpoint
 
 needs_kernel = pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from shardstream.stream.stops import StopFilter
+from shardstream.serving.stops import StopFilter
 from tiny_models import llama_store_with_tokenizer
 
 KEY = "test-key"
@@ -68,7 +68,8 @@ def server(tiny, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
     served = Served(store, tmp_path_factory.mktemp("log") / "serve.log", "--model-name", "tiny-llama,tiny-alias",
-                    "--api-key", KEY, "--chat-template", str(template), "--max-batch-size", "8")
+                    "--api-key", KEY, "--chat-template", str(template), "--max-batch-size", "8",
+                    "--max-request-size", "4MB")
     http = httpx.Client(base_url=served.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     yield served, http, client, reference, tokenizer
@@ -234,6 +235,14 @@ def test_chat_template_parts_n_and_role_delta(server):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]},
      400, "messages[0].content", "type 'image_url'"),
+    # issue 29: ids outside the vocabulary (the char tokenizer has 98 tokens) named one by one, as one sentence
+    ("/v1/completions", {"prompt": [5, 500, 6]}, 400, "prompt", "prompt has token id 500 at position 1, outside"),
+    ("/v1/completions", {"prompt": [[5], [6, -1]]}, 400, "prompt[1]", "prompt[1] has token id -1 at position 1"),
+    ("/v1/completions", {"prompt": [5, 98]}, 400, "prompt", "(ids 0 to 97)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}},
+     400, "response_format", "response_format type 'json_object' is not supported"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0, "logprobs": 0}, 400, "max_tokens", "only with echo"),
+    ("/v1/completions", {"prompt": "\u00e9"}, 400, "prompt", "prompt gives no tokens"),   # the tokenizer lacks é
 ])
 def test_bad_requests_get_openai_shaped_errors(server, path, body, status, param, words):
     _, http, _, _, _ = server
@@ -331,3 +340,86 @@ def test_stop_filter_holds_back_a_possible_stop_string_across_pieces():
     assert stops.stopped and stops.flush() == ""
     plain = StopFilter(["END"])
     assert plain.feed("hello E") + plain.feed("N") + plain.flush() == "hello EN" and not plain.stopped
+
+
+def _peak_rss(process: subprocess.Popen) -> int:
+    """The server's peak resident memory so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_an_oversized_body_is_refused_with_413_before_it_is_read(server):
+    """Issue 29: a 50 MB JSON prompt took 296 s to refuse and left the server 1.9 GB. Past the limit
+    (--max-request-size 4MB here) a body is a 413 at once, declared (the client) or chunked (no
+    Content-Length), and the server holds none of it; the connection still serves the next request."""
+    served, http, client, _, _ = server
+    before = _peak_rss(served.process)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model="tiny-llama", prompt="a" * 20_000_000, max_tokens=1)
+    assert caught.value.status_code == 413 and time.monotonic() - started < 10
+    assert caught.value.code == "request_too_large"
+    assert "limit of 4000000 bytes (serve --max-request-size)" in caught.value.message
+    chunked = http.post("/v1/completions", content=iter([b'{"prompt": "', b"a" * 5_000_000, b'"}']),
+                        headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and "is over this server's limit" in chunked.json()["error"]["message"]
+    assert _peak_rss(served.process) - before < 30_000_000
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server):
+    """2 MB of text cannot fit 64 tokens (no token is longer than 5 characters): refused by its length
+    in characters, without the 2 million token ids tokenizing it would build."""
+    served, http, client, _, _ = server
+    before = _peak_rss(served.process)
+    for path, body in (("/v1/completions", {"prompt": "a" * 2_000_000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 2_000_000}]})):
+        response = http.post(path, json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert "has 2000000 characters, more than this model's context of 64 tokens can hold" in error["message"]
+    assert _peak_rss(served.process) - before < 30_000_000
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(server):
+    """JSON can carry "\\ud800" (as a JavaScript client sends half an emoji), which is no Unicode text: it
+    was a 500 with the tokenizer's message. (The Python client cannot send one: it encodes to UTF-8.)"""
+    _, http, _, _, _ = server
+    for path, body, param, words in (
+            ("/v1/completions", {"prompt": "ab\ud800c"}, "prompt", "prompt has a lone surrogate (U+D800) at character 2"),
+            ("/v1/completions", {"prompt": ["ok", "\udcff"]}, "prompt[1]", "prompt[1] has a lone surrogate"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi \ud83d"}]}, "messages[0].content",
+             "messages[0].content has a lone surrogate (U+D83D)")):
+        response = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param and words in error["message"], response.text
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(server):
+    """The legacy way to score a prompt: its logprobs and no completion (it was refused; and
+    `max_tokens or 16` would have made 0 into 16 tokens)."""
+    _, http, client, reference, tokenizer = server
+    reply = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                                      temperature=0)
+    choice = reply.choices[0]
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference(ids).logits[0].float(), -1)
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == list(PROMPT) and choice.logprobs.token_logprobs[0] is None
+    want = [logprobs[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(PROMPT), 0)
+    plain = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+
+
+def test_response_format_text_is_accepted(server):
+    """OpenAI's default response format, which some clients always send."""
+    _, http, client, reference, tokenizer = server
+    reply = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=3, temperature=0, response_format={"type": "text"})
+    assert reply.choices[0].message.content == _greedy(reference, tokenizer, "user: Hi\nassistant:", 3)
+

@@ -84,3 +84,7 @@ class OutputMismatch(ShardstreamError, ValueError):
 
 class TrackerNotFound(ShardstreamError, FileNotFoundError):
     """A command that reads a tracker was pointed at one that does not exist (it is never created then)."""
+
+
+class RankMismatch(ShardstreamError, ValueError):
+    """Tensor-parallel ranks that did not open the same model (another store, other TP slices)."""

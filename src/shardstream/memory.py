@@ -22,6 +22,13 @@ def available_bytes(max_memory: int | None = None, proc_cgroup: Path = Path("/pr
     return max(0, min(limits))
 
 
+def available_memory() -> tuple[int, bool]:
+    """RAM this process may still use, and whether a cgroup (container) cap set it."""
+    host = psutil.virtual_memory().available
+    headroom = min(cgroup_headroom(), default=host)
+    return (max(0, headroom), True) if headroom < host else (host, False)
+
+
 def gpu_free_bytes(device) -> int:
     """Bytes still free on a CUDA device for this process: what the driver reports free plus what torch's
     caching allocator holds without using (the driver counts that as taken)."""

@@ -129,8 +129,8 @@ def coordinator_command(
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
     from ..stream.serve_cli import read_template
-    from ..stream.stops import stop_streamer
-    from ..stream.text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.stops import stop_streamer
+    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient
     from .coordinator import Coordinator, CoordinatorOptions, advertise_host
     from .discovery import discover as find

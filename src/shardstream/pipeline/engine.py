@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
-from ..stream.batching import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token,
+from ..serving.batching import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token,
                                open_sequence, prompt_scores)
 from .coordinator import Coordinator
 from .stage import MAX_SESSIONS

@@ -1,5 +1,5 @@
 """The coordinator's HTTP server: the packaged stages (with Range requests) for the agents, and the
-OpenAI-compatible API of `stream/server.py` over the whole pipeline.
+OpenAI-compatible API of `serving/server.py` over the whole pipeline.
 
 Two secrets, two jobs: /stages/* wants the agents' `--token`; the API (/v1/*) wants `--api-key`
 when one is given, else the same `--token`, so a coordinator exposed to reach its agents never
@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from transformers import PreTrainedTokenizerBase
 
-from ..openai_api import RequireBearer, install_errors
-from ..stream.server import create_app
+from ..serving.openai_api import RequireBearer, install_errors
+from ..serving.server import create_app
 from .generation import PipelineModel
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from .loader import LoadedBlock
 from .pieces import Piece, whole
-from .prefetch import DirectLoader, Prefetcher
+from .prefetch import CopyAhead, DirectLoader, Prefetcher
 from .weights import Slots
 
 
@@ -40,13 +40,15 @@ class StreamedBlocks:
     is read when asked for); `held`: the keys the reader does not count (pieces.held_through).
     `released(k, read, waited, seconds)` runs when block k is emptied (its pieces' read and wait
     times summed; seconds: it was in place), `settle()` after it ran, before it is emptied (e.g. a
-    CUDA synchronize to time it)."""
+    CUDA synchronize to time it). `copies_only()` says, once a whole pass has run, whether loading
+    a piece now only queues its copy to the GPU (all kept in host RAM): then the pieces ahead are
+    loaded by the computing thread itself (prefetch.CopyAhead)."""
 
     def __init__(self, blocks: list[nn.Module], slots: list[Slots], streamed: list[int],
                  load: Callable[[tuple[int, int]], LoadedBlock], depth: int | None,
                  released: Callable[[int, float, float, float], None] = lambda *_: None,
                  settle: Callable[[], None] = lambda: None, pieces: dict[int, list[Piece]] | None = None,
-                 held: frozenset = frozenset()):
+                 held: frozenset = frozenset(), copies_only: Callable[[], bool] = lambda: False):
         self.streamed, self._slots = streamed, slots
         self.pieces = pieces or {k: whole(blocks[k], slots[k].names, slots[k].nbytes) for k in streamed}
         self._load, self._depth, self._held_keys = load, depth, held
@@ -56,7 +58,7 @@ class StreamedBlocks:
         self._guessing = isinstance(self._source, Prefetcher)   # it reads ahead in `_guess` order
         self.order: list[tuple[int, int]] | None = None   # the forward order, once a whole pass ran
         self._asked: list[tuple[int, int]] = []           # the keys asked for in this pass, until then
-        self._released, self._settle = released, settle
+        self._released, self._settle, self._copies_only = released, settle, copies_only
         self._block: list | None = None   # [k, started, read seconds, waited seconds] of the block in place
         self._held: dict[int, tuple[Piece, LoadedBlock]] = {}   # piece number -> what fills it
         self.hooks = []
@@ -129,7 +131,10 @@ class StreamedBlocks:
     def _learned(self) -> None:
         """A whole pass ran: from now on the reader reads ahead, in the order that pass asked."""
         self.order, self._asked = self._asked, []
-        if self._depth is not None and not self._guessing:
+        if self._depth is not None and self._copies_only():
+            self._source.close()
+            self._source = CopyAhead(self._load, self.order, self._depth)
+        elif self._depth is not None and not self._guessing:
             self._source.close()
             self._source = Prefetcher(self._load, self.order, self._depth, self._held_keys)
 

@@ -22,7 +22,7 @@ import xxhash
 from ..errors import InvalidOption
 from ..store import Store, problems
 from ..store.checksum import checksum_bytes
-from .residency import available_memory
+from ..memory import available_memory
 
 ALIGN = 4096  # O_DIRECT wants buffer address, file offset and length aligned to the logical block size
 MODES = ("auto", "on", "off")

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
 from .model import AutoModel, StreamingModel
-from .text import load_tokenizer
+from ..serving.text import load_tokenizer
 
 
 STREAMED_DRAFT_TOKENS = 8   # benchmarks/stream.py's speculative section (text-trained draft): 3.3 tokens per pass against 1.9 adaptive

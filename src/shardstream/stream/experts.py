@@ -36,8 +36,9 @@ class ExpertlessLoader(BlockLoader):
         super().__init__(store, mapper, device, verify, experts=False)
         self._skip = skip
 
-    def read(self, parts: list[str], resident: bool = False, tied: bool = True) -> dict[str, torch.Tensor]:
-        return {n: t for n, t in super().read(parts, resident, tied).items() if n not in self._skip}
+    def read(self, parts: list[str], resident: bool = False, keep: frozenset[str] | None = None,
+             tied: bool = True) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in super().read(parts, resident, keep, tied).items() if n not in self._skip}
 
     def checkpoint_keys(self, index: int) -> list[str]:
         return [n for n in super().checkpoint_keys(index) if n not in self._skip]

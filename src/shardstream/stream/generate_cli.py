@@ -32,9 +32,20 @@ def generate_command(
     store_path: StorePath = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
+    tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
+    if tensor_parallel:
+        from ..tp.cli import generate_tp
+
+        _check_utf8(prompt or "")
+        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None,
+                 "--max-resident-memory": None if max_resident_memory == "auto" else max_resident_memory,
+                 "--max-host-memory": None if max_host_memory == "auto" else max_host_memory}
+        generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
+                    not no_progress, [name for name, value in given.items() if value is not None])
+        return
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:
@@ -43,16 +54,30 @@ def generate_command(
         if draft is not None:
             raise InvalidOption("--draft works with --prompt only: speculative decoding runs one sequence at a "
                                 "time (see docs/STREAMING.md); drop --draft to batch the prompts file.")
-        from .offline import answer_file
+        from ..serving.offline import answer_file, pending
 
-        answer_file(source, prompts_file, output, batch_size, dict(
-            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
-            seed, max_resident_memory, device, store_path, not no_progress, max_host_memory)
+        prompts, done = pending(prompts_file, output, batch_size)
+        with open_model(source, store_path, max_resident_memory, device, False, not no_progress,
+                        batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory) as model:
+            answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
+                max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
+                seed, not no_progress)
         return
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
+    _check_utf8(prompt)
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
                 max_resident_memory, device, store_path, profile, not no_progress, max_host_memory)
+
+
+def _check_utf8(prompt: str) -> None:
+    """A byte that is not UTF-8 reaches Python as a lone surrogate (surrogateescape), which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(prompt[error.start]) - 0xDC00   # surrogateescape's code for the byte
+        raise InvalidOption(f"--prompt is not UTF-8 text (byte 0x{byte:02X} at character {error.start}); "
+                            "give the prompt in UTF-8, or convert it first (iconv -t UTF-8).") from None
 
 
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
@@ -63,8 +88,8 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
     from contextlib import ExitStack
 
     from .draft import PassReport, draft_options, open_draft
-    from .stops import stop_streamer
-    from .text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.stops import stop_streamer
+    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,

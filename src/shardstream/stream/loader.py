@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import PIECE_BYTES, Piece
 from .weights import WeightMapper
 
+COPY_AHEAD_ENV = "SHARDSTREAM_COPY_AHEAD"
 Layout = list[tuple[str, list[tuple[int, int]]]]  # per file: the aligned (begin, end) ranges a piece reads
 
 
@@ -112,6 +114,9 @@ class BlockLoader:
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
         self.decode_in_reader = True
         self.packed_keys: frozenset[str] = frozenset()   # checkpoint keys handed over packed (quant.QuantizedTensor)
+        # on a GPU every quantized block tensor is copied as its codes and dequantized there (to_device)
+        self._codes_to_device = frozenset(name for name, record in store.manifest.tensors.items()
+                                          if record.quant and device.type == "cuda")
         self._resident_packed: frozenset[str] = frozenset()   # those kept packed in resident parts too
         self._packing_saves: dict[str, tuple[int, bool]] = {}   # parameter name -> (bytes packing saves, also resident)
         self.host_budget = 0   # CUDA: bytes of streamed pieces kept page-locked in host RAM (see _reserve)
@@ -149,17 +154,25 @@ class BlockLoader:
         with self._keeping:
             self._kept_bytes -= self._reserved.pop(key)
 
-    def _keep(self, key: tuple[int, int], params: dict[str, torch.Tensor], buffers: list) -> dict[str, torch.Tensor]:
-        """Keep a reserved piece's tensors (the read buffers they view stay out of the pool); tensors that
-        the mapper made anew are pinned too, beyond the reservation. Returns the tensors to copy."""
-        pinned = {name: t if t.is_pinned() else t.pin_memory() for name, t in params.items()}
+    def _keep(self, key: tuple[int, int], tensors: dict[str, torch.Tensor], buffers: list) -> dict[str, torch.Tensor]:
+        """Keep a reserved piece's tensors (the read buffers they view stay out of the pool); tensors made
+        anew (dequantized on the host) are pinned too, beyond the reservation. Returns the tensors to copy."""
+        pinned = {name: _pinned(t) for name, t in tensors.items()}
         with self._keeping:
-            self._kept_bytes += sum(t.nbytes for name, t in pinned.items() if t is not params[name])
+            self._kept_bytes += sum(_nbytes(t) for name, t in pinned.items() if t is not tensors[name])
             del self._reserved[key]
             self._kept[key] = pinned
             self._kept_buffers.extend(buffers)
             buffers.clear()
         return pinned
+
+    def copies_only(self, keys: list[tuple[int, int]]) -> bool:
+        """Whether loading any of these pieces now only queues its copy to the GPU: each is kept page-locked
+        in host RAM (see blocks.StreamedBlocks; $SHARDSTREAM_COPY_AHEAD=0 keeps them on the reader threads)."""
+        if self._copy_stream is None or os.environ.get(COPY_AHEAD_ENV, "1") == "0":
+            return False
+        with self._keeping:
+            return all(key in self._kept for key in keys)
 
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
         """Hand the quantized weights of these Linears (parameter names) over packed, where the kernel runs
@@ -233,12 +246,14 @@ class BlockLoader:
                 size = max((need[key] for key in group if key in need), default=0)
                 sizes.update({key: size for key in group if key in need})
 
-    def read(self, parts: list[str], resident: bool = False, tied: bool = True) -> dict[str, torch.Tensor]:
+    def read(self, parts: list[str], resident: bool = False, keep: frozenset[str] | None = None,
+             tied: bool = True) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
         files, or (for a block, inside `load`) pool buffers read with O_DIRECT. Packed where marked
-        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster).
-        `tied=False` leaves tied aliases out (see `Store.load`)."""
-        keep = self._resident_packed if resident else self.packed_keys
+        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster), or
+        where `keep` says. `tied=False` leaves tied aliases out (see `Store.load`)."""
+        if keep is None:
+            keep = self._resident_packed if resident else self.packed_keys
         tensors: dict[str, torch.Tensor] = {}
         direct = getattr(self._collect, "buffers", None) is not None
         for part in parts:
@@ -278,26 +293,30 @@ class BlockLoader:
         self._collect.mappings = mappings = []
         self._collect.buffers = buffers = []
         try:
-            params = self.mapper.convert(self.read([f"mid/{index}"], resident))
+            tensors = self.read([f"mid/{index}"], resident, keep=self._codes_to_device or None)
         except BaseException:
             self._pool.give(buffers)
             raise
         finally:
             self._collect.mappings = self._collect.buffers = None
-        block = self.to_device(index, params)
+        block = self.to_device(index, tensors)
         block.mappings, block.buffers, block.pool = mappings, buffers, self._pool
         block.read_seconds = time.perf_counter() - started
         return block
 
-    def to_device(self, index: int, params: dict[str, torch.Tensor]) -> LoadedBlock:
+    def to_device(self, index: int, tensors: dict[str, torch.Tensor | quant.QuantizedTensor]) -> LoadedBlock:
+        """Checkpoint tensors -> the block's parameters on the device. On CUDA the bytes are copied as read
+        (from page-locked memory, on the copy stream), then dequantized and converted there: a quantized
+        block crosses the bus as its codes."""
         if self._copy_stream is None:
-            return LoadedBlock(index, params, 0.0)
-        host = {name: t if t.is_pinned() else t.pin_memory() for name, t in params.items()}
+            return LoadedBlock(index, self.mapper.convert(tensors), 0.0)
+        host = {name: _pinned(t) for name, t in tensors.items()}
         with torch.cuda.stream(self._copy_stream):
-            moved = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
+            moved = {name: _copied(t, self.device) for name, t in host.items()}
+            params = self.mapper.convert(moved)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
-        return LoadedBlock(index, moved, 0.0, ready, host)
+        return LoadedBlock(index, params, 0.0, ready, host)
 
     def load_piece(self, key: tuple[int, int]) -> LoadedBlock:
         """Piece `key` = (block, piece) as planned; the whole block where the plan says None."""
@@ -331,15 +350,15 @@ class BlockLoader:
                 located = lambda file_name, offset: (mapped[file_name], offset)  # noqa: E731
 
             def decode() -> dict[str, torch.Tensor]:
-                return self.mapper.convert(self._decode(key, names, located, buffers, keep))
+                return self._decode(key, names, located, buffers, keep)
 
             if self._pool.pin:
-                params = decode()
-                item = self.to_device(index, self._keep(key, params, buffers) if keep else params)
+                tensors = decode()
+                item = self.to_device(index, self._keep(key, tensors, buffers) if keep else tensors)
             elif self.decode_in_reader or not self._decoded.get(key):
                 item = self.to_device(index, decode())
             else:
-                item = LoadedBlock(index, {}, 0.0, decode=decode)
+                item = LoadedBlock(index, {}, 0.0, decode=lambda: self.mapper.convert(decode()))
         except BaseException:
             self._pool.give(buffers)
             if keep:
@@ -404,7 +423,7 @@ class BlockLoader:
             if record.quant:
                 absmax = record.quant["absmax"]
                 scales = view(record.file, absmax["offset"], absmax["dtype"], absmax["shape"])
-            if name in self.packed_keys:
+            if name in self.packed_keys or name in self._codes_to_device:
                 stored = quant.QuantizedTensor(stored, scales, record.quant)
             elif record.quant:
                 if output is None:
@@ -422,9 +441,31 @@ class BlockLoader:
         """Bytes a quantized tensor takes dequantized, rounded up to a cache line (0 when not quantized or
         handed over packed)."""
         record = self.store.manifest.tensors[name]
-        if not record.quant or name in self.packed_keys:
+        if not record.quant or name in self.packed_keys or name in self._codes_to_device:
             return 0
         return -(-quant.dequantized_nbytes(record.quant) // 64) * 64
+
+
+def _pinned(tensor: torch.Tensor | quant.QuantizedTensor) -> torch.Tensor | quant.QuantizedTensor:
+    """The tensor in page-locked memory (itself when it views a pinned read buffer already)."""
+    if isinstance(tensor, quant.QuantizedTensor):
+        data, absmax = _pinned(tensor.data), _pinned(tensor.absmax)
+        return tensor if data is tensor.data and absmax is tensor.absmax else quant.QuantizedTensor(data, absmax, tensor.meta)
+    return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+
+def _copied(tensor: torch.Tensor | quant.QuantizedTensor, device: torch.device) -> torch.Tensor:
+    """A pinned host tensor copied to `device` (asynchronously, on the current stream); codes dequantized there."""
+    if isinstance(tensor, quant.QuantizedTensor):
+        data, absmax = (t.to(device, non_blocking=True) for t in (tensor.data, tensor.absmax))
+        return quant.dequantize(data, absmax, tensor.meta)
+    return tensor.to(device, non_blocking=True)
+
+
+def _nbytes(tensor: torch.Tensor | quant.QuantizedTensor) -> int:
+    if isinstance(tensor, quant.QuantizedTensor):
+        return tensor.data.nbytes + tensor.absmax.nbytes
+    return tensor.nbytes
 
 
 def _layout(store: Store, names: list[str]) -> Layout:

@@ -19,7 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..quant import QuantizedTensor
+from ..serving.text import check_context
 from ..store import Store
+from .airllm_compat import hub_token, refuse_training_switches
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader
 from .linear import packable_weights, use_few_rows_linear
@@ -35,7 +37,7 @@ from .weights import Slots, WeightMapper, parameters_on_meta
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
 # pieces are dequantized by the computing thread, between its products, instead of by the readers beside
 # them (where OpenMP teams fight for the cores). Measured on 2 cores, a 4-bit model: under `serve`, a
-# decode step of 32 rows 0.30 -> 0.27 s; from 16 down to 4 (tenth session, alternating, paired runs) 4
+# decode step of 32 rows 0.30 -> 0.27 s; from 16 down to 4 (alternating, paired runs) 4
 # requests 2-7% more tok/s and 8 requests 2-5% more, and in one process with no disk wait a step of 8
 # rows 0.239 -> 0.205-0.210 s, of 4 rows 0.193 -> 0.167; 2 rows about even; one row keeps the readers,
 # whose dequantization is most of its step once the blocks are in the page cache (0.16 s
@@ -82,25 +84,10 @@ def common_module(names: set[str]) -> str:
     return ".".join(prefix)
 
 
-def check_context(config, length: int, new_tokens: int) -> None:
-    """Refuse a prompt of `length` tokens (plus the tokens to generate) longer than the model's context."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if not limit:
-        return
-    if length > limit:
-        raise InvalidOption(
-            f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
-            f"is {limit}; shorten the prompt."
-        )
-    if length + new_tokens > limit:
-        raise InvalidOption(
-            f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
-            f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
-        )
-
-
 class StreamingModel:
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`)."""
+
+    max_seq_len: int | None = None   # the longest prompt plus new tokens a call may run (from_pretrained's)
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
@@ -163,9 +150,10 @@ class StreamingModel:
         self._hooks = list(self.experts.hooks) if self.experts else []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
+        piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
                                          prefetch_depth if prefetching else None, self._released, self._settle,
-                                         self.pieces, self._loader.held)
+                                         self.pieces, self._loader.held, lambda: self._loader.copies_only(piece_keys))
 
     # -- construction ------------------------------------------------------------------------
 
@@ -331,9 +319,16 @@ class StreamingModel:
         self._loader.direct = True
 
     def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
-        """Refuse a prompt (plus the tokens to generate) longer than the model's context."""
-        if input_ids is not None:
-            check_context(self.model.config, input_ids.shape[-1], new_tokens)
+        """Refuse a prompt (plus the tokens to generate) longer than the model's context or `max_seq_len`."""
+        if input_ids is None:
+            return
+        check_context(self.model.config, input_ids.shape[-1], new_tokens)
+        if self.max_seq_len and input_ids.shape[-1] + new_tokens > self.max_seq_len:
+            raise InvalidOption(
+                f"the prompt ({input_ids.shape[-1]} tokens) plus max_new_tokens ({new_tokens}) is more than the "
+                f"max_seq_len={self.max_seq_len} given to from_pretrained; shorten the prompt, ask for fewer new "
+                "tokens or raise max_seq_len."
+            )
 
     @contextlib.contextmanager
     def _profiled(self) -> Iterator[None]:
@@ -342,7 +337,7 @@ class StreamingModel:
         self.forward_passes = 0
         yield
         if self.profiling_mode:
-            print(self.profile.table(), file=sys.stderr)
+            print(self.profile.table(self.resident_blocks, len(self._slots)), file=sys.stderr)
 
     def close(self) -> None:
         """Stop the prefetch thread, drop the hooks, unpin the read buffers."""
@@ -384,6 +379,11 @@ class AutoModel:
         progress: bool = True,
         piece_bytes: int | None = None,
         max_host_memory: int | str | None = "auto",
+        max_seq_len: int | None = None,
+        hf_token: str | None = None,
+        install_hooks: bool = True,
+        load_resident: bool = True,
+        tensor_parallel: bool = False,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -397,16 +397,34 @@ class AutoModel:
         `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
         after their first read, so that a token only copies them to the GPU ('auto': half the RAM
         available; 0: read every token).
+        `max_seq_len`: the longest prompt plus new tokens a call may run (default: the model's context).
+        AirLLM 4.0's parameters are all taken (docs/STREAMING.md has the table): `hf_token` is `token`,
+        and `install_hooks`/`load_resident`, its switches for LoRA training, are refused when False.
+        `tensor_parallel=True`: this process is one rank of a torchrun group (or of an initialized
+        torch.distributed group); it reads and runs only its share of the weights (docs/TENSOR_PARALLEL.md),
+        all in memory: the streaming options do not apply.
         """
+        token = hub_token(token, hf_token)
+        refuse_training_switches(install_hooks, load_resident)
+        if max_seq_len is not None and max_seq_len < 1:
+            raise InvalidOption(f"max_seq_len must be at least 1, not {max_seq_len}.")
+        if tensor_parallel:
+            from ..tp.model import open_tensor_parallel
+
+            return open_tensor_parallel(lambda: ensure_store(
+                pretrained_model_name_or_path, layer_shards_saving_path, compression=compression, token=token,
+                revision=revision, progress=progress), device, dtype)
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
             sequential_shard_processing=sequential_shard_processing, compression=compression,
             delete_original=delete_original, profiling_mode=profiling_mode,
             token=token, revision=revision, progress=progress,
         )
-        return StreamingModel(
+        model = StreamingModel(
             store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
             verify_checksums=verify_checksums, dtype=dtype, experts=experts, piece_bytes=piece_bytes,
             max_host_memory=max_host_memory,
         )
+        model.max_seq_len = max_seq_len
+        return model

@@ -10,6 +10,7 @@ counted: they are small, and counting them would leave no slot for reading ahead
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import threading
@@ -117,6 +118,37 @@ class Prefetcher:
 
 def _named(key) -> str:
     return f"block {key[0]} piece {key[1]}" if isinstance(key, tuple) else f"block {key}"
+
+
+class CopyAhead:
+    """No background thread: the consumer's own thread loads the next `depth` pieces of the cycle as it takes
+    one. For pieces whose load only queues their copy to the GPU (kept page-locked in host RAM, see
+    loader.BlockLoader._reserve) this is all the work there is, and a reader thread would only wait for the
+    interpreter lock that the computing thread holds while it launches kernels, leaving the copy engine idle.
+    A key out of cycle order drops what was loaded ahead and starts the cycle again after it."""
+
+    def __init__(self, load: Callable[[Hashable], LoadedBlock], order: list, depth: int):
+        self._load, self._order, self._depth = load, order, depth
+        self._ahead: collections.deque = collections.deque()   # (key, item) loaded, not yet taken
+        self._next = 0   # position in `order` of the next key to load
+
+    def get(self, key) -> tuple[LoadedBlock, float]:
+        started = time.perf_counter()
+        if self._ahead and self._ahead[0][0] != key:
+            self.close()
+            self._next = self._order.index(key)
+        while len(self._ahead) < self._depth + 1:
+            upcoming = self._order[self._next]
+            self._next = (self._next + 1) % len(self._order)
+            self._ahead.append((upcoming, self._load(upcoming)))
+        return self._ahead.popleft()[1], time.perf_counter() - started
+
+    def release(self, item: LoadedBlock) -> None:
+        item.cool()
+
+    def close(self) -> None:
+        while self._ahead:
+            self._ahead.popleft()[1].cool()
 
 
 class DirectLoader:

@@ -46,7 +46,11 @@ class Profile:
         total = self.total
         return 1.0 - min(total.wait, total.read) / total.read if total.read else 1.0
 
-    def table(self) -> str:
+    def table(self, resident: list[int], blocks: int) -> str:
+        """The streamed blocks' timings; `resident` (of `blocks`) are never read, so they have none."""
+        kept = f"{len(resident)} of {blocks} blocks are resident (max_resident_memory keeps them in memory)"
+        if not self.blocks:
+            return f"profile: no block was streamed in this call, so there was no read to time: {kept}."
         lines = ["| block | passes | read ms | wait ms | compute ms |", "|---|---|---|---|---|"]
         for index in sorted(self.blocks):
             t = self.blocks[index]
@@ -54,4 +58,6 @@ class Profile:
         t = self.total
         lines.append(f"| all | {t.passes} | {1e3 * t.read:.1f} | {1e3 * t.wait:.1f} | {1e3 * t.compute:.1f} |")
         lines.append(f"\nread time hidden behind compute: {100 * self.hidden_share:.0f}%")
+        if resident:
+            lines.append(f"{kept} and not listed: {', '.join(map(str, resident))}.")
         return "\n".join(lines)

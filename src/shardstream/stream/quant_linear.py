@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
-from . import native
+from .. import native
 
 log = logging.getLogger("shardstream.stream")
 

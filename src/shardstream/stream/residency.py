@@ -11,10 +11,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-import psutil
-
 from ..errors import InvalidOption
-from ..memory import cgroup_headroom, gpu_free_bytes
+from ..memory import available_memory, gpu_free_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -22,13 +20,6 @@ if TYPE_CHECKING:
 BATCH_RESIDENT_SHARE = 0.25  # of `auto`'s resident-block budget when batching; the rest is left to the batch
 HOST_SHARE = 0.5  # of the RAM available, page-locked by a GPU model's host tier: the kernel can neither swap nor reclaim it
 AUTO_SHARE = 0.75  # of the memory available once the fixed parts are loaded; the rest is slack for the page cache, KV cache and activations
-
-
-def available_memory() -> tuple[int, bool]:
-    """RAM this process may still use, and whether a cgroup (container) cap set it."""
-    host = psutil.virtual_memory().available
-    headroom = min(cgroup_headroom(), default=host)
-    return (max(0, headroom), True) if headroom < host else (host, False)
 
 
 def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, device: torch.device | str | None = None) -> int:

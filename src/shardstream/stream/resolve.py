@@ -1,8 +1,10 @@
 """From what the user names (Hub id, URL, checkpoint folder or store) to an open, complete store.
 
 The cache (~/.cache/shardstream/<slug>, or $SHARDSTREAM_CACHE) is keyed by what the source *is*,
-not by how it was typed: a folder's resolved absolute path, a URL, or a Hub id with its revision.
-A cached store whose local source has changed since (shard sizes or dates) is converted again.
+not by how it was typed: a folder's resolved absolute path, a URL, or a Hub id with its revision;
+and by the compression asked for, so a 4-bit copy lives beside the plain one. A cached store whose
+local source has changed since (shard sizes or dates) is converted again. A store the user names is
+never silently used with another compression than the one asked for.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ def source_key(source: str, revision: str | None = None) -> str:
     return str(path.resolve())
 
 
-def default_store_path(source: str, revision: str | None = None) -> Path:
-    """~/.cache/shardstream/<name>-<hash of the source key> (or under $SHARDSTREAM_CACHE)."""
+def default_store_path(source: str, revision: str | None = None, compression: str | None = None) -> Path:
+    """~/.cache/shardstream/<name>[-<compression>]-<hash of the source key and compression> (or under
+    $SHARDSTREAM_CACHE); an uncompressed store keeps the path it had before compression was in the key."""
     base = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "shardstream")
     key = source_key(str(source), revision)
     name = re.sub(r"[^A-Za-z0-9._-]+", "--", key.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
+    if compression:
+        key, name = f"{key}#{compression}", f"{name}-{compression}"
     return base / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -49,7 +54,8 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
     manifest records, with the compression it records unless another is asked for.
     """
     source = str(source)
-    given_store = store_path is None and (Path(source) / MANIFEST_NAME).is_file()
+    given_store = (Path(source) / MANIFEST_NAME).is_file() and (
+        store_path is None or Path(store_path).expanduser().resolve() == Path(source).expanduser().resolve())
     if given_store:
         store_path = source
         manifest = load_manifest(Path(source))
@@ -57,7 +63,10 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
         if convert_options.get("compression") is None:
             convert_options["compression"] = manifest.compression
     cached = store_path is None
-    path = default_store_path(source, convert_options.get("revision")) if cached else Path(store_path)
+    compression = convert_options.get("compression")
+    path = default_store_path(source, convert_options.get("revision"), compression) if cached else Path(store_path)
+    if (path / MANIFEST_NAME).is_file() and not cached:
+        _check_compression(path, compression)
     if (path / MANIFEST_NAME).is_file() and not given_store:
         _check_recorded_source(path, source, cached)
     try:
@@ -67,6 +76,17 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
             raise
     convert(source, path, **convert_options)
     return open_store(path)
+
+
+def _check_compression(path: Path, wanted: str | None) -> None:
+    """A named store of another compression is refused, not used as it is (nor converted over)."""
+    have = load_manifest(path).compression
+    if wanted is not None and wanted != have:
+        raise InvalidOption(
+            f"{path} holds a store converted with compression {have or 'none'}, not {wanted}; leave compression "
+            f"out to use it as it is, or name another folder (layer_shards_saving_path, --store-path) for a "
+            f"{wanted} store."
+        )
 
 
 def _check_recorded_source(path: Path, source: str, cached: bool) -> None:

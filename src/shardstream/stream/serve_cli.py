@@ -17,6 +17,7 @@ import typer
 
 from ..errors import InvalidOption
 from ..listener import tcp_listener
+from ..sizes import parse_size
 from .cli import Device, HostMemory, Source, StorePath, open_model
 
 def serve_command(
@@ -34,6 +35,9 @@ def serve_command(
         envvar="SHARDSTREAM_API_KEY", help="Require 'Authorization: Bearer KEY' on every path but /health.")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(
         help="A Jinja chat template file, for a model whose tokenizer has none (else chat is refused).")] = None,
+    max_request_size: Annotated[str, typer.Option(
+        help="Largest request body accepted (a size like 8MB); a larger one is refused with 413 before it is "
+             "read.")] = "8MB",
     quiet: Annotated[bool, typer.Option("--quiet", help="No line per request.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Annotated[str, typer.Option(
@@ -46,13 +50,14 @@ def serve_command(
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     names = [name.strip() for value in (model_name or [source]) for name in value.split(",") if name.strip()]
     template = read_template(chat_template)
+    max_request_bytes = parse_size(max_request_size, "--max-request-size")
     listener = _bind(host, port)
     import uvicorn
 
-    from ..openai_api import RequestLog
-    from .batching import BatchEngine
-    from .server import create_app
-    from .text import eos_ids, load_tokenizer, pad_id
+    from ..serving.openai_api import RequestLog
+    from ..serving.batching import BatchEngine
+    from ..serving.server import create_app
+    from ..serving.text import eos_ids, load_tokenizer, pad_id
 
     _log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
@@ -61,7 +66,7 @@ def serve_command(
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
         app = create_app(model, tokenizer, names[0], engine=engine, aliases=tuple(names[1:]), api_key=api_key,
-                         chat_template=template)
+                         chat_template=template, max_request_bytes=max_request_bytes)
         _say(f"shardstream serve: listening on http://{host}:{listener.getsockname()[1]} "
              f"(model {', '.join(names)}; batches of up to {max_batch_size})")
         server = _server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))

@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest, check_model, install_api_key,
-                          install_errors)
+from .openai_api import (DEFAULT_MAX_REQUEST_BYTES, HEALTH_PATH, APIError, BodyLimit, ChatRequest,
+                         CompletionRequest, check_model, install_api_key, install_errors)
 from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter
 from .text import chat_prompt
@@ -32,13 +32,18 @@ DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its
 
 
 def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine,
-               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """`engine` runs the sequences: a BatchEngine (`serve`) or the pipeline's PipelineEngine; `model`
-    gives the context length (`config.max_position_embeddings`)."""
+    gives the context length (`config.max_position_embeddings`) and the vocabulary (`config.vocab_size`)."""
     served = [model_id, *[alias for alias in aliases if alias != model_id]]
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    vocabulary = min(len(tokenizer), getattr(config, "vocab_size", None) or len(tokenizer))
+    longest = max(map(len, tokenizer.get_vocab()))   # characters of the longest token
     app = FastAPI(title="shardstream")
     install_errors(app)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     install_api_key(app, api_key)
 
     @app.get(HEALTH_PATH)
@@ -55,8 +60,16 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         body.refuse_unsupported()
         check_model(body.model, served)
         sent = body.prompts()
+        for i, p in enumerate(sent):
+            param = "prompt" if len(sent) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                _check_characters(len(p), param, limit, longest)
+            else:
+                _check_ids(p, param, vocabulary)
         prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in sent]
-        _check_tokens(prompts, tokenizer)
+        if not all(prompts):
+            raise APIError(400, "prompt gives no tokens (the tokenizer knows none of its characters); give some "
+                           "text to continue.", "prompt")
         # what echo gives back: a text prompt as sent (decoding its ids would add the tokenizer's BOS, "<s>"),
         # token ids decoded as generated text is (special tokens left out)
         texts = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=True)
@@ -69,9 +82,10 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         body.refuse_unsupported()
         check_model(body.model, served)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+        _check_characters(sum(len(m["content"]) for m in messages), "messages", limit, longest)
         prompt = chat_prompt(tokenizer, messages, chat_template)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None and limit:
             max_tokens = max(1, limit - len(ids))   # OpenAI's chat default: as much as the context holds
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -79,9 +93,11 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
 
     async def _respond(request: Request, body, prompts: list[list[int]], max_tokens: int | None, reply: _Reply,
                        logprobs: int | None, texts: list[str] | None = None):
-        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        # max_tokens 0 (with echo) scores the prompt: its one pass also picks a token, which is left out
+        run_tokens = max(max_tokens, 1)
         for ids in prompts:
-            _check_context(len(ids), max_tokens, limit)
+            _check_context(len(ids), run_tokens, limit)
         echo = reply.echo
         reply.logprobs = logprobs is not None
         choices = []
@@ -89,12 +105,12 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
             for p, ids in enumerate(prompts):
                 for j in range(body.n):
                     params = SamplingParams(
-                        max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                        max_new_tokens=run_tokens, temperature=body.temperature, top_p=body.top_p,
                         seed=None if body.seed is None else body.seed + j,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                         logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
                     choices.append(_Choice(len(choices), ids, texts[p] if texts else "", engine.submit(ids, params),
-                                           StopFilter(body.stop)))
+                                           StopFilter(body.stop), keep=max_tokens > 0))
         except BaseException:
             for choice in choices:
                 choice.sequence.cancel()
@@ -131,13 +147,20 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
     return app
 
 
-def _check_tokens(prompts: list[list[int]], tokenizer: PreTrainedTokenizerBase) -> None:
-    vocabulary = len(tokenizer)
-    for ids in prompts:
-        if not ids:
-            raise APIError(400, "prompt is empty; give some text (or token ids) to continue.", "prompt")
-        if max(ids) >= vocabulary:
-            raise APIError(400, f"prompt has token id {max(ids)} but the vocabulary has {vocabulary} tokens.", "prompt")
+def _check_ids(ids: list[int], param: str, vocabulary: int) -> None:
+    bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocabulary), None)
+    if bad is not None:
+        raise APIError(400, f"{param} has token id {ids[bad]} at position {bad}, outside this model's vocabulary "
+                       f"(ids 0 to {vocabulary - 1}); send ids the model's tokenizer gives.", param, "invalid_value")
+
+
+def _check_characters(count: int, param: str, limit: int | None, longest: int) -> None:
+    """Refuse text too long for the context before tokenizing it (a tokenizer takes seconds and a
+    Python int per token for megabytes). No token spans more than `longest` characters, twice that
+    where a normalizer composes a letter and its accent into one."""
+    if limit and count > 2 * longest * limit:
+        raise APIError(400, f"{param} has {count} characters, more than this model's context of {limit} tokens "
+                       "can hold; shorten the prompt.", param, "context_length_exceeded")
 
 
 def _check_context(length: int, max_tokens: int, limit: int | None) -> None:
@@ -161,6 +184,7 @@ class _Choice:
     prompt_text: str          # what `echo` gives back
     sequence: object
     stops: StopFilter
+    keep: bool = True         # False when max_tokens is 0: the token the scoring pass picked is left out
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     decoded: int = 0          # characters of decode(ids) already passed to the stop filter
@@ -228,7 +252,7 @@ async def _events(choices: list[_Choice], request: Request, poll: bool = True) -
 def _advance(choice: _Choice, event: TokenEvent, tokenizer: PreTrainedTokenizerBase) -> tuple[str, list[TokenLogprob]]:
     """Take one event: the new text to send (stop strings held back or cut) and its logprob entries."""
     entries = []
-    if event.token != NO_TOKEN:
+    if event.token != NO_TOKEN and choice.keep:
         choice.ids.append(event.token)
         if event.logprob is not None:
             entries.append(event.logprob)

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, StoreIncomplete
-from .model import StreamingModel
 
 
-def load_tokenizer(model: StreamingModel) -> PreTrainedTokenizerBase:
-    """The tokenizer files the converter copied into the store."""
+def load_tokenizer(model) -> PreTrainedTokenizerBase:
+    """The tokenizer files the converter copied into the store of `model` (a streaming model or a pipeline:
+    anything with a `store`)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model.store.root)
     except (OSError, ValueError) as error:
@@ -25,6 +25,23 @@ def load_tokenizer(model: StreamingModel) -> PreTrainedTokenizerBase:
     # transformers' own "Token indices sequence length is longer..." warning would only come first.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
+
+
+def check_context(config, length: int, new_tokens: int) -> None:
+    """Refuse a prompt of `length` tokens (plus the tokens to generate) longer than the model's context."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit:
+        return
+    if length > limit:
+        raise InvalidOption(
+            f"the prompt has {length} tokens but the model's context (config.json max_position_embeddings) "
+            f"is {limit}; shorten the prompt."
+        )
+    if length + new_tokens > limit:
+        raise InvalidOption(
+            f"the prompt ({length} tokens) plus max_new_tokens ({new_tokens}) exceeds the model's context of "
+            f"{limit} (config.json max_position_embeddings); ask for at most {limit - length} new tokens."
+        )
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: str | None = None) -> str:

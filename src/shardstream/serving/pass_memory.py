@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import native
+from .. import native
 
 log = logging.getLogger("shardstream.batching")
 

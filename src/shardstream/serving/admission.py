@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import gpu_free_bytes
-from .residency import available_memory
+from ..memory import available_memory
 
 SLACK = 32 << 20     # never planned: request objects, tokenizer calls, allocator fragments, a reader thread's stack
 SAFETY = 1.25        # activation estimates x this: transformers keeps a few more temporaries than counted

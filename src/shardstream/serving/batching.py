@@ -31,7 +31,7 @@ from ..errors import InvalidOption
 from ..sizes import parse_size
 from . import kvcache, pass_memory
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
-from .model import check_context
+from .text import check_context
 
 log = logging.getLogger("shardstream.batching")
 

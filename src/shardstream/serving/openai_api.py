@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ShardstreamError
+from ..errors import ShardstreamError
 
 HEALTH_PATH = "/health"
+DEFAULT_MAX_REQUEST_BYTES = 8 * 10**6   # `serve --max-request-size`: a whole context of token ids is under 1 MB
 
 
 class APIError(Exception):
@@ -42,7 +43,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
@@ -70,6 +71,9 @@ class _Request(BaseModel):
                            "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
+        if self.max_tokens == 0 and not getattr(self, "echo", False):   # only completions have echo
+            raise APIError(400, "max_tokens is 0, which asks for nothing; give at least 1 (0 is allowed only with "
+                           "echo, to score a prompt on /v1/completions).", "max_tokens", "invalid_value")
 
 
 class StreamOptions(BaseModel):
@@ -77,7 +81,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]   # checked against the vocabulary by the server
 
 
 class CompletionRequest(_Request):
@@ -103,7 +107,19 @@ class CompletionRequest(_Request):
             prompt = [prompt]
         if not prompt or any(len(p) == 0 for p in prompt):
             raise APIError(400, "prompt is empty; give some text (or token ids) to continue.", "prompt")
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                check_text(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
         return list(prompt)
+
+
+def check_text(text: str, param: str) -> None:
+    """JSON may carry a lone surrogate ("\\ud800"), which is no Unicode text and no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(400, f"{param} has a lone surrogate (U+{ord(text[error.start]):04X}) at character "
+                       f"{error.start}, which is not Unicode text; send valid UTF-8.", param, "invalid_value") from None
 
 
 class TextPart(BaseModel):
@@ -124,8 +140,18 @@ class Message(BaseModel):
                 if part.type != "text" or part.text is None:
                     raise APIError(400, f"messages[{index}].content has a part of type '{part.type}'; this server "
                                    "takes only text parts.", f"messages[{index}].content", "unsupported_content")
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+            text = "".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        check_text(text, f"messages[{index}].content")
+        check_text(self.name or "", f"messages[{index}].name")
+        return text
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    json_schema: dict | None = None
 
 
 class ChatRequest(_Request):
@@ -133,11 +159,16 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format type '{self.response_format.type}' is not supported by this "
+                           "server (it does not constrain output to JSON); leave response_format out or send "
+                           "{\"type\": \"text\"}.", "response_format", "unsupported_parameter")
 
 
 def _validation_error(error: RequestValidationError) -> APIError:
@@ -207,6 +238,41 @@ class RequireBearer:
             if not hmac.compare_digest(given, expected):
                 return await APIError(401, message, None, "invalid_api_key").response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """A request body over `limit` bytes is a 413 before anything reads or parses it: a declared
+    Content-Length is refused at once (the server discards the unread body as it arrives, holding none
+    of it); a body sent without one (chunked) is read here up to the limit, then handed on."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if int(declared) > self.limit:
+                return await self._refuse(f"is {int(declared)} bytes, over", scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while not messages or (messages[-1]["type"] == "http.request" and messages[-1].get("more_body")):
+            messages.append(await receive())
+            size += len(messages[-1].get("body", b""))
+            if size > self.limit:
+                return await self._refuse("is over", scope, receive, send)
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: str, scope, receive, send) -> None:
+        error = APIError(413, f"the request body {size} this server's limit of {self.limit} bytes "
+                         "(serve --max-request-size); send a shorter prompt or fewer prompts at once.",
+                         None, "request_too_large")
+        await error.response()(scope, receive, send)
 
 
 def check_model(requested: str | None, served: list[str]) -> None:

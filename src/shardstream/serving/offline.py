@@ -205,39 +205,39 @@ class Answerer:
         return answer if prompt.id is None else {"id": prompt.id, **answer}
 
 
-def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, defaults: dict, seed: int | None,
-                max_resident_memory: str, device: str, store_path: str | None, progress: bool,
-                max_host_memory: str = "auto") -> None:
-    """`generate --prompts-file`: validate everything, then open the model and answer what is left.
-    Ends with a line of throughput on stderr (a per-block table per batch step would drown it)."""
-    from .batching import BatchEngine
-    from .cli import open_model
-    from .text import eos_ids, load_tokenizer, pad_id, sampling_options
-
+def pending(prompts_file: Path, output: Path, batch_size: int) -> tuple[list[Prompt], int]:
+    """`generate --prompts-file`, before any model opens: the prompts, and how many `output` holds already."""
     if batch_size < 1:
         raise InvalidOption(f"--batch-size must be at least 1, not {batch_size}.")
     prompts = read_prompts(prompts_file)
-    done = resume(output, prompts)
-    with open_model(source, store_path, max_resident_memory, device, False, progress,
-                    batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory) as model:
-        tokenizer = load_tokenizer(model)
-        lengths = []
-        for prompt in prompts:
-            options = {**defaults, **prompt.fields}
-            ids = tokenizer(prompt.text, return_tensors="pt")["input_ids"]
-            try:
-                sampling_options(options["max_tokens"], options["temperature"], options["top_p"], tokenizer, options["top_k"])
-                model.check_length(ids, options["max_tokens"])
-            except InvalidOption as error:
-                raise InvalidOption(f"{prompts_file} prompt {prompt.index}: {error}") from None
-            lengths.append(ids.shape[1])
-        engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
-                             max_batch_size=batch_size)
+    return prompts, resume(output, prompts)
+
+
+def answer_file(model, prompts_file: Path, prompts: list[Prompt], done: int, output: Path, batch_size: int,
+                defaults: dict, seed: int | None, progress: bool) -> None:
+    """Answer the prompts after the first `done` with `model` (a streaming model), after checking them all.
+    Ends with a line of throughput on stderr (a per-block table per batch step would drown it)."""
+    from .batching import BatchEngine
+    from .text import eos_ids, load_tokenizer, pad_id, sampling_options
+
+    tokenizer = load_tokenizer(model)
+    lengths = []
+    for prompt in prompts:
+        options = {**defaults, **prompt.fields}
+        ids = tokenizer(prompt.text, return_tensors="pt")["input_ids"]
         try:
-            bar = run_batch(prompts, done, Answerer(engine, tokenizer, defaults, seed), engine.close, output,
-                            batch_size, lengths, progress)
-        finally:
-            engine.close()
+            sampling_options(options["max_tokens"], options["temperature"], options["top_p"], tokenizer, options["top_k"])
+            model.check_length(ids, options["max_tokens"])
+        except InvalidOption as error:
+            raise InvalidOption(f"{prompts_file} prompt {prompt.index}: {error}") from None
+        lengths.append(ids.shape[1])
+    engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
+                         max_batch_size=batch_size)
+    try:
+        bar = run_batch(prompts, done, Answerer(engine, tokenizer, defaults, seed), engine.close, output,
+                        batch_size, lengths, progress)
+    finally:
+        engine.close()
     seconds = time.perf_counter() - bar.started
     print(f"answered {len(prompts) - done} prompts ({done} were already in {output}): {bar.tokens} tokens in "
           f"{seconds:.1f} s, {bar.tokens / max(seconds, 1e-9):.1f} tok/s, {engine.forward_passes} passes over the "

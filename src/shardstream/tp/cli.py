@@ -1,0 +1,34 @@
+"""`shardstream generate --tensor-parallel`: run by torchrun on every rank; rank 0 prints the text."""
+
+from __future__ import annotations
+
+from ..errors import InvalidOption
+
+
+def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
+                top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
+                progress: bool, unsupported: list[str]) -> None:
+    """One prompt over the ranks; `unsupported` names the options given that TP does not take."""
+    if unsupported:
+        raise InvalidOption(f"{', '.join(unsupported)} cannot be combined with --tensor-parallel yet; leave "
+                            f"{'it' if len(unsupported) == 1 else 'them'} out.")
+    if prompt is None:
+        raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
+    import torch.distributed as dist
+
+    from ..stream.cli import check_device
+    from ..stream.model import AutoModel
+    from ..serving.stops import stop_streamer
+    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
+
+    check_device(device)
+    with AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                   progress=progress, tensor_parallel=True) as model:
+        tokenizer = load_tokenizer(model)
+        inputs = encode(tokenizer, prompt)
+        options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
+        if stops:
+            options.update(stop_strings=stops, tokenizer=tokenizer)
+        set_seed(seed)
+        streamer = stop_streamer(tokenizer, stops) if dist.get_rank() == 0 else None
+        model.generate(**inputs, **options, streamer=streamer)
