@@ -123,7 +123,7 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
 
 
 def cgroup_peak(reset: bool = False) -> int | None:
-    """Peak bytes of this process's memory cgroup so far (memcap's: page cache included), None outside one;
+    """Peak bytes of the memcap cgroup this process runs in so far (page cache included), None outside one;
     `reset` starts the peak again from the current usage (cgroup v1, or v2 on Linux 6.12+)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         number, controllers, path = line.split(":", 2)
@@ -131,7 +131,7 @@ def cgroup_peak(reset: bool = False) -> int | None:
         if v1 or (number == "0" and not controllers):
             file = (Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.max_usage_in_bytes" if v1
                     else Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.peak")
-            if file.exists() and path != "/":
+            if file.exists() and "/memcap-" in path:
                 peak = int(file.read_text())
                 if reset:
                     file.write_text("0")
