@@ -142,6 +142,7 @@ def verify(
     import time
 
     from .store import open_store, verify_sharding, verify_store
+    from .store.problems import REPAIR, repair
 
     started = time.perf_counter()
     opened = open_store(store, allow_incomplete=True)   # a file or a folder without a store: one sentence
@@ -155,7 +156,9 @@ def verify(
     for problem in problems:
         err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]", highlight=False)
     if problems:
-        err_console.print("Re-run `shardstream convert` (or `shardstream shard`) with the same arguments to repair the store.")
+        advice = repair(opened.manifest, [p.file for p in problems])
+        err_console.print("Re-run `shardstream convert` (or `shardstream shard`) with the same arguments to repair the store."
+                          if advice == REPAIR else f"To repair the store: {advice}.", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
 

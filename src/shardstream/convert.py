@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from .convert_disk import check_disk
 from .convert_writes import PartProfile, WritePipeline
-from .errors import CorruptShard, InvalidOption
+from .errors import CorruptShard, InvalidOption, SourceNotFound
 from .naming import TensorRouter, router_for
 from .safetensors_header import Header, HeaderError, read_header
 from .sources import CheckpointSource, LocalSource, open_source
 from .sources.base import same_source
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME, Manifest, StoreWriter, load_manifest
+from .store.problems import shards_gone
 from .atomic import TEMP_PREFIX, write_json_atomic
 from .store.dtypes import TORCH_DTYPES
 from .store.span import FileSpan, SourceFile
@@ -144,11 +145,11 @@ def convert(
     )
     _make_folder(out)
     writer = StoreWriter.open(out, fresh)
-    if not (out / MANIFEST_NAME).exists():
-        writer.manifest.save(out)   # from now on the folder is recognisably an unfinished store
-    src.copy_metadata(out)
     job = _Job(src, plan, writer, sequential_shard_processing, min_free_space,
                layer_memory_warning or _default_layer_warning(), progress)
+    _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
+    writer.begin()   # from now on the folder is recognisably an (unfinished) store
+    src.copy_metadata(out)
     job.run()
     if plan.tied:
         head, embed, part = plan.tied
@@ -202,6 +203,17 @@ def _refuse_other_contents(out: Path, where: str, fingerprint: dict) -> None:
     check_same_source(out, where, fingerprint)
 
 
+def _refuse_unrepairable(src: CheckpointSource, out: Path, shards: list[str], manifest: Manifest) -> None:
+    """A re-run that needs shards a sequential run deleted cannot finish: refuse before the store
+    is touched (it would be marked incomplete, unusable, for nothing)."""
+    if not isinstance(src, LocalSource):
+        return   # downloaded again
+    gone = [s for s in shards if not (src.root / s).is_file()]
+    if gone:
+        raise SourceNotFound(f"cannot finish or repair {out}, which was left as it was: "
+                             f"{shards_gone(manifest.source, gone, (manifest.source_fingerprint or {}).get('shards', {}))}.")
+
+
 def check_same_source(store: Path, where: str, fingerprint: dict) -> None:
     """Refuse a store whose recorded source is not this one as it is now: a copy of the same shards
     (same sizes and dates, or the same Hub commit) may finish or reuse it, another model may not."""
@@ -246,7 +258,7 @@ class _Job:
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
         self.warned_parts: set[str] = set()
         self.skipped = sorted(writer.manifest.parts)
-        self.writes = WritePipeline(writer, plan.expert_of)
+        self.writes = WritePipeline(writer, plan.expert_of, plan.weight_map)
         self.profile = self.writes.profile
 
     def run(self) -> None:
@@ -255,7 +267,7 @@ class _Job:
 
     def _run(self) -> None:
         shards = self.src.shard_names()
-        todo = [s for s in shards if self._wanted(s)]
+        todo = self.shards_to_read()
         for shard in shards:
             if shard not in todo and self.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
@@ -275,6 +287,10 @@ class _Job:
         if not self.sequential:
             for shard in todo:
                 self.src.release(shard, delete=False)
+
+    def shards_to_read(self) -> list[str]:
+        """The shards holding tensors that are still to be written (damaged files' ones included)."""
+        return [s for s in self.src.shard_names() if self._wanted(s)]
 
     def _delete(self, shard: str) -> None:
         self.src.release(shard, delete=True)
