@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 from tqdm.auto import tqdm
 
+from .config_check import check_config
 from .convert_disk import check_disk
 from .convert_writes import PartProfile, WritePipeline
 from .errors import CorruptShard, InvalidOption, SourceNotFound
@@ -135,6 +136,7 @@ def convert(
     src = open_source(source, out / STAGING_DIR, token=token, revision=revision, progress=progress)
     config = src.config()
     plan = make_plan(config, src.weight_map())
+    check_config(config, plan.router, src.tensor_shape)
     if isinstance(src, LocalSource):
         src.check_all()
     where, fingerprint = src.identity()
