@@ -45,7 +45,12 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(name)s: %(message)s", stream=sys.stderr)
     warnings.simplefilter("default")
-    logging.captureWarnings(True)
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning is one line saying what to know, like an error: not Python's file, line and source dump."""
+    err_console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
 @app.command(cls=Command)

@@ -147,9 +147,10 @@ def convert(
     )
     _make_folder(out)
     writer = StoreWriter.open(out, fresh)
-    job = _Job(src, plan, writer, sequential_shard_processing, min_free_space,
+    job = _Job(src, plan, writer, sequential_shard_processing,
                layer_memory_warning or _default_layer_warning(), progress)
     _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
+    check_disk(src, out, compression, job.shards_to_read(), sequential_shard_processing, min_free_space)
     writer.begin()   # from now on the folder is recognisably an (unfinished) store
     src.copy_metadata(out)
     job.run()
@@ -248,10 +249,9 @@ class _Job:
     """
 
     def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
-                 min_free_space: int, layer_warning: int, progress: bool):
+                 layer_warning: int, progress: bool):
         self.src, self.plan, self.writer = src, plan, writer
         self.sequential = sequential
-        self.min_free_space = min_free_space
         self.layer_warning = layer_warning
         self.progress = progress
         self.buffer: dict[str, dict[str, FileSpan]] = defaultdict(dict)
@@ -276,10 +276,12 @@ class _Job:
         # drawn only on a terminal, and closed before an error is printed (never redrawn after it)
         with tqdm(total=len(todo), unit="shard", disable=None if self.progress else True, desc="convert") as bar:
             if not self.sequential:
-                fetched = {s: self._fetch(s, shards.index(s)) for s in todo}
+                fetched = {s: self._fetch(s) for s in todo}
             for shard in todo:
                 index = shards.index(shard)   # piece files are named by it: the same after a resume
-                path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
+                if self.sequential:
+                    self._check_disk(todo[todo.index(shard):])
+                path, wait = fetched[shard] if not self.sequential else self._fetch(shard)
                 self._process(shard, path, wait, index, last=shard == todo[-1])
                 if self.sequential:
                     self.writes.release_when_written(shard, self._delete, wait=isinstance(self.src, RemoteSource))
@@ -302,8 +304,12 @@ class _Job:
         return [n for n in self.plan.shard_tensors.get(shard, ())
                 if n not in self.stored and self.plan.part_of[n] not in self.completed]
 
-    def _fetch(self, shard: str, index: int) -> tuple[Path, float]:
-        check_disk(self.src, self.writer.root, self.writer.manifest.compression, shard, index, self.min_free_space)
+    def _check_disk(self, todo: list[str]) -> None:
+        """Before each shard of a sequential run: the rest must still fit (convert() checked it all
+        before the first; this catches what else fills the disk meanwhile)."""
+        check_disk(self.src, self.writer.root, self.writer.manifest.compression, todo, sequential=True)
+
+    def _fetch(self, shard: str) -> tuple[Path, float]:
         started = time.perf_counter()
         path = self.src.fetch(shard)
         return path, time.perf_counter() - started
