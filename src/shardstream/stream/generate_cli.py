@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from .cli import Device, HostMemory, Resident, Source, StorePath, open_model
+from ..options import Compression, HfToken, Revision, Sequential, StorePath
+from .cli import Converting, Device, HostMemory, Resident, Source, open_model
 
 
 def generate_command(
@@ -30,11 +31,16 @@ def generate_command(
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     store_path: StorePath = None,
+    sequential: Sequential = False,
+    compression: Compression = "none",
+    revision: Revision = None,
+    hf_token: HfToken = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
+    converting = Converting(sequential, compression, revision, hf_token)
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:
@@ -47,18 +53,18 @@ def generate_command(
 
         answer_file(source, prompts_file, output, batch_size, dict(
             max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
-            seed, max_resident_memory, device, store_path, not no_progress, max_host_memory)
+            seed, max_resident_memory, device, store_path, not no_progress, max_host_memory, converting)
         return
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
-                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory)
+                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory, converting)
 
 
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                 seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
                 max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool,
-                max_host_memory: str) -> None:
+                max_host_memory: str, converting: Converting) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -68,7 +74,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
 
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,
-                                               max_host_memory=max_host_memory))
+                                               max_host_memory=max_host_memory, converting=converting))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
