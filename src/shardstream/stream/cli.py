@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import InvalidOption
-from ..options import StorePath, compression
+from ..options import compression
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
