@@ -64,7 +64,6 @@ class StoreWriter:
         self.manifest = manifest
         self._manifest_lock = threading.Lock()   # files are written in parallel, recorded one at a time
         self._unsynced: set[Path] = set()         # written (files and their folders), not yet fsynced
-        self.damaged: set[str] = set()            # files an earlier run recorded that fail their checks
 
     @classmethod
     def open(cls, root: Path, fresh: Manifest) -> "StoreWriter":
@@ -86,7 +85,7 @@ class StoreWriter:
                 "output folder or delete that one."
             )
         writer = cls(root, existing)
-        writer.damaged = writer._drop_invalid_files()
+        writer._drop_invalid_files()
         return writer
 
     def begin(self) -> None:
@@ -94,8 +93,8 @@ class StoreWriter:
         keeps durable: a killed run may not have synced them, and its shards may now be deleted."""
         self._sync_recorded()
 
-    def _drop_invalid_files(self) -> set[str]:
-        """Forget (in memory) every recorded file that is missing or fails its checksum; return them."""
+    def _drop_invalid_files(self) -> None:
+        """Forget (in memory) every recorded file that is missing or fails its checksum."""
         manifest = self.manifest
         bad = {name for name, record in manifest.files.items() if not self._file_matches(name, record)}
         if bad:
@@ -104,7 +103,6 @@ class StoreWriter:
             manifest.parts = {p: r for p, r in manifest.parts.items() if not bad & set(r.files)}
             manifest.source_shards = {n: s for n, s in manifest.source_shards.items() if n not in bad}
             manifest.complete = False
-        return bad
 
     def _file_matches(self, name: str, record: FileRecord) -> bool:
         path = self.root / name
