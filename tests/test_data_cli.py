@@ -156,3 +156,14 @@ def test_two_workers_with_one_chunk_save_the_trained_replica_undiluted(tmp_path,
     update = max((one[k] - initial[k]).abs().max().item() for k in one)
     assert update > 0.01
     assert max((two[k] - one[k]).abs().max().item() for k in one) < update / 1000
+
+
+def test_two_workers_with_steps_a_multiple_of_a_chunk_finish_whole_chunks_and_the_rerun_moves_on(tmp_path, tiny_model):
+    # The README example in small: chunks of 5 steps, --steps 10 over two workers. Each worker reserves a whole
+    # chunk's steps when it claims it, so the run ends on 2 whole chunks (no half-trained chunk to redo) and
+    # the same command again trains the next 2.
+    args = _train_args(tmp_path, tiny_model, 40, "--dataset-chunk-size", "10", "--workers", "2", "--steps", "10")
+    for done in (2, 4):
+        result = run_cli(*args)
+        assert result.returncode == 0, result.stderr
+        assert f"epoch 0: {done}/4 chunks done" in result.stdout

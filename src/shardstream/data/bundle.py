@@ -61,12 +61,25 @@ def warn_if_tracker_ahead(cfg: TrainConfig, tracker_steps: int) -> None:
               file=sys.stderr)
 
 
+def _save_quietly(model: PreTrainedModel, folder: Path) -> None:
+    """save_pretrained without its own progress bar: saves recur during a run, beside the run's bar."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def save_bundle(cfg: TrainConfig, model: PreTrainedModel, optimizer: dict | None, total_steps: int) -> None:
     """save_pretrained (+ tokenizer) into a temp folder, each file moved into --output atomically, then the bundle file."""
     cfg.output.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cfg.output, prefix=".save-"))
     try:
-        model.save_pretrained(tmp)
+        _save_quietly(model, tmp)
         load_tokenizer(cfg.model, cfg.tokenizer).save_pretrained(tmp)
         for file in tmp.iterdir():
             with open(file, "rb+") as handle:
