@@ -96,12 +96,14 @@ def _merge(cfg: TrainConfig, results: Path, tracker: ChunkTracker, log: MetricsL
 def _start(procs: list[mp.Process]) -> None:
     """Start the workers with SIGINT ignored, which they inherit: a terminal's Ctrl-C reaches the whole
     process group, and only the parent should act on it (by stopping them)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main = threading.current_thread() is threading.main_thread()   # signal handlers are the main thread's alone
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         for p in procs:
             p.start()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _stop(procs: list[mp.Process]) -> None:
