@@ -3,9 +3,10 @@
 Copies the shipped checkpoint (sequential conversion deletes source shards), converts it one shard
 at a time into a layer store, inspects and verifies the store, then streams generated text from it
 layer by layer. Then it converts the shipped draft model and generates again with speculative
-decoding: the draft proposes tokens, one pass over the streamed blocks checks them all, and
-`--profile` reports how many tokens each pass over the weights produced. The stores are cached
-in the work dir; a second run reuses them.
+sampling: the draft proposes tokens, one pass over the streamed blocks checks them all (keeping
+the target's distribution), and `--profile` reports how many tokens each pass over the weights
+produced. Both sample (temperature 0.8): greedy decoding of a model this small soon repeats one
+line. The stores are cached in the work dir; a second run reuses them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "assets" / "demo-model"
 DRAFT = ROOT / "assets" / "demo-draft"
+SAMPLING = ("--temperature", "0.8", "--top-p", "0.95", "--seed", "0")
 
 
 def shardstream(*args: str) -> None:
@@ -46,13 +48,12 @@ def main() -> None:
     shardstream("inspect", str(store))
     shardstream("verify", str(store))
     shardstream("generate", str(store), "--prompt", args.prompt,
-                "--max-new-tokens", str(args.max_new_tokens), "--max-resident-memory", "0",
-                "--temperature", "0.8", "--top-p", "0.95", "--seed", "0")
+                "--max-new-tokens", str(args.max_new_tokens), "--max-resident-memory", "0", *SAMPLING)
     draft = work / "draft-store"
     if not (draft / "manifest.json").exists() or not json.loads((draft / "manifest.json").read_text()).get("complete"):
         shardstream("convert", str(DRAFT), str(draft))
     shardstream("generate", str(store), "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
-                "--max-resident-memory", "0", "--draft", str(draft), "--profile")
+                "--max-resident-memory", "0", *SAMPLING, "--draft", str(draft), "--profile")
 
 
 if __name__ == "__main__":

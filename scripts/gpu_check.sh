@@ -5,7 +5,7 @@
 # a folder of their own. Every log and table goes to $OUT (default artifacts/gpu-check).
 #   bash scripts/gpu_check.sh [tests] [reference] [llama-3.2-1b]     (default: all three)
 # Narrower: TESTS_SELECT (pytest -k), REFERENCE_MODES and SHAPE_MODES (benchmarks/stream_gpu.py --modes),
-# TESTS_TIMEOUT and BENCH_TIMEOUT (seconds a step may take).
+# TESTS_TIMEOUT, BENCH_TIMEOUT and CHILD_TIMEOUT (seconds a step, and one setting, may take).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-artifacts/gpu-check}
@@ -27,11 +27,11 @@ for step in $steps; do
     tests) timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest tests/test_stream_cuda.py -q -x -p no:cacheprovider \
              ${TESTS_SELECT:+-k "$TESTS_SELECT"} 2>&1 \
              | tail -40 | tee "$OUT/tests.txt" ;;
-    reference) timeout "${BENCH_TIMEOUT:-260}" python3 benchmarks/stream_gpu.py --workdir "$WORK/bench" --timeout 90 \
+    reference) timeout "${BENCH_TIMEOUT:-260}" python3 benchmarks/stream_gpu.py --workdir "$WORK/bench" --timeout "${CHILD_TIMEOUT:-90}" \
                  ${REFERENCE_MODES:+--modes "$REFERENCE_MODES"} \
                  2>&1 | tee "$OUT/reference.md" ;;
     *) timeout "${BENCH_TIMEOUT:-260}" python3 benchmarks/stream_gpu.py --shape "$step" --workdir "$WORK/bench" \
-         --new-tokens 16 --timeout 90 --modes "${SHAPE_MODES:-stream,stream-direct,stream-4bit,stream-4bit-direct,accelerate,airllm,gpu}" \
+         --new-tokens 16 --timeout "${CHILD_TIMEOUT:-90}" --modes "${SHAPE_MODES:-stream,stream-direct,stream-4bit,stream-4bit-direct,accelerate,airllm,gpu}" \
          2>&1 | tee "$OUT/$step.md" ;;
   esac
 done

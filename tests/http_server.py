@@ -116,16 +116,21 @@ def serve_directory(root: Path, *, ranges: bool = True) -> Iterator[tuple[str, l
 
 @contextmanager
 def serve_hub(
-    repos: dict[str, Path], *, published: dict[str, str] | None = None
+    repos: dict[str, Path], *, published: dict[str, str] | None = None, token: str | None = None,
+    revision: str | None = None,
 ) -> Iterator[tuple[str, list[LoggedRequest]]]:
-    """Answer Hub resolve URLs for each repo id (any revision) from its folder; the ETag is the
-    file's sha256, as the Hub's is for LFS files, unless `published` gives another for a file name."""
+    """Answer Hub resolve URLs for each repo id (any revision, or only `revision`) from its folder;
+    the ETag is the file's sha256, as the Hub's is for LFS files, unless `published` gives another
+    for a file name. With `token`, the repos are private: other requests are told they do not exist."""
 
     class Handler(_FileHandler):
         def locate(self, url_path: str) -> tuple[Path | None, dict[str, str]]:
             match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", url_path)
-            if match is None or match[1] not in repos:
+            private = token is not None and self.headers.get("Authorization") != f"Bearer {token}"
+            if match is None or match[1] not in repos or private:
                 return None, {"X-Error-Code": "RepoNotFound"}
+            if revision is not None and unquote(match[2]) != revision:
+                return None, {"X-Error-Code": "RevisionNotFound"}
             path = Path(repos[match[1]]) / match[3]
             if not path.is_file():
                 return None, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": HUB_COMMIT}

@@ -95,3 +95,15 @@ def test_verify_a_file_is_one_sentence(tmp_path):
     result = run_cli("verify", "afile", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "afile is not a folder" in result.stderr
+
+
+def test_experts_on_a_dense_model_is_one_sentence_and_exit_1(tmp_path):
+    """Issue 29: it said "0 experts placed" and exited 0."""
+    save_checkpoint("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "store").rglob("*"))
+    result = run_cli("shard", "store", "--experts", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "holds no mixture-of-experts experts to place (model_type 'llama'" in result.stderr
+    assert "leave out --experts" in result.stderr and "experts placed" not in result.stdout
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "store").rglob("*")) == before

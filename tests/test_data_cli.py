@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,11 +13,15 @@ import time
 from collections import Counter
 
 import psutil
+import pytest
 import typer
 from conftest_data import CLI, REPO, read_jsonl, run_cli, tiny_model, write_txt  # noqa: F401  (fixtures)
 from typer.testing import CliRunner
 
 from shardstream.data.cli import data_app, train_command
+from shardstream.data.config import TrainConfig
+from shardstream.data.launch import train
+from shardstream.data.model import load_model
 from shardstream.data.tracker import open_tracker
 from shardstream.errors import InvalidOption
 
@@ -106,3 +111,59 @@ def test_option_parsing_and_conflicts():
     result = runner.invoke(app, ["train", "--model", "m", "--output", "o"])
     assert result.exit_code == 2 and "dataset-file" in result.output
     assert "status" in runner.invoke(app, ["data", "--help"]).output
+
+
+@pytest.mark.parametrize("sig, workers", [(signal.SIGINT, ["--ddp", "--nproc", "2"]), (signal.SIGTERM, ["--workers", "2"])],
+                         ids=["ctrl-c-ddp", "sigterm-workers"])
+def test_ctrl_c_or_sigterm_stops_every_worker_with_one_line(tmp_path, tiny_model, sig, workers):
+    # a relative --output with a space, as in the docs' examples (DDP ranks once met through a URL made of it, and hung)
+    write_txt(tmp_path / "corpus.txt", 2000)
+    args = ["train", "--model", tiny_model, "--dataset-file", "corpus.txt", "--output", "runs/my run", "--cache-dir", "cache",
+            "--samples-per-block", "1000", "--dataset-chunk-size", "500", "--batch-size", "2", "--seq-len", "16",
+            "--log-file", "steps.jsonl", *workers]
+    proc = subprocess.Popen([sys.executable, "-m", "shardstream", *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log, deadline = tmp_path / "steps.jsonl", time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    try:
+        assert log.exists() and proc.poll() is None, "no worker trained a step"
+        assert len(children) >= 2
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "Traceback" not in err, err
+        assert err.strip().splitlines() == ["interrupted; re-run the same command to continue where it stopped."], err
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == []
+    finally:   # whatever failed, leave no process behind
+        for process in [*children, proc]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()
+
+
+def test_two_workers_with_one_chunk_save_the_trained_replica_undiluted(tmp_path, tiny_model):
+    # The README's shape in small: one chunk, two workers. One trains it all, the other nothing; the checkpoint
+    # must be the trained replica (it once was the average with the untrained one: half the update).
+    args = _train_args(tmp_path, tiny_model, 8, "--dataset-chunk-size", "8", "--workers", "2", "--lr", "0.01")
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    alone = TrainConfig(model=str(tiny_model), dataset=str(tmp_path / "corpus.txt"), output=tmp_path / "alone",
+                        cache_dir=tmp_path / "cache", samples_per_block=40, chunk_size=8, batch_size=2, seq_len=16, lr=0.01)
+    assert train(alone)["steps_this_run"] == 4
+    initial = load_model(str(tiny_model), 0).state_dict()
+    two, one = load_model(str(tmp_path / "out"), 0).state_dict(), load_model(str(alone.output), 0).state_dict()
+    update = max((one[k] - initial[k]).abs().max().item() for k in one)
+    assert update > 0.01
+    assert max((two[k] - one[k]).abs().max().item() for k in one) < update / 1000
+
+
+def test_two_workers_with_steps_a_multiple_of_a_chunk_finish_whole_chunks_and_the_rerun_moves_on(tmp_path, tiny_model):
+    # The README example in small: chunks of 5 steps, --steps 10 over two workers. Each worker reserves a whole
+    # chunk's steps when it claims it, so the run ends on 2 whole chunks (no half-trained chunk to redo) and
+    # the same command again trains the next 2.
+    args = _train_args(tmp_path, tiny_model, 40, "--dataset-chunk-size", "10", "--workers", "2", "--steps", "10")
+    for done in (2, 4):
+        result = run_cli(*args)
+        assert result.returncode == 0, result.stderr
+        assert f"epoch 0: {done}/4 chunks done" in result.stdout

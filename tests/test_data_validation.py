@@ -43,6 +43,24 @@ def test_train_with_a_bad_model_or_dataset_creates_nothing(tmp_path, tiny_model)
     assert _tree(tmp_path) == before  # no --output, no tracker, no cache
 
 
+def test_train_with_a_wrong_text_field_creates_nothing(tmp_path, tiny_model):
+    (tmp_path / "corpus.jsonl").write_text("".join(f'{{"body": "sample {i} the model"}}\n' for i in range(20)))
+    before = _tree(tmp_path)
+    message = _fails(tmp_path, "train", "--model", tiny_model, "--dataset-file", "corpus.jsonl", "--output", "out",
+                     "--cache-dir", "cache")
+    assert "has no 'text' field; pass --text-field with one of ['body']" in message
+    assert _tree(tmp_path) == before   # no chunk_tracker.sqlite, no --output, no cache
+
+
+def test_train_that_fails_before_its_first_save_removes_the_tracker_it_made(tmp_path, tiny_model):
+    # The first sample is fine (so the checks pass); line 3 is not JSON: reading the first block fails mid-run.
+    (tmp_path / "corpus.jsonl").write_text('{"text": "sample 1 the model"}\n{"text": "sample 2"}\n{"text": broken\n')
+    message = _fails(tmp_path, "train", "--model", tiny_model, "--dataset-file", "corpus.jsonl", "--output", "out",
+                     "--cache-dir", "cache")
+    assert "corpus.jsonl line 3 is not JSON" in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_data_status_on_a_missing_tracker_says_so_and_creates_nothing(tmp_path):
     message = _fails(tmp_path, "data", "status", "--tracker", "./nope/chunk_tracker.sqlite")
     assert "does not exist" in message and "nope/chunk_tracker.sqlite" in message

@@ -16,9 +16,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
+from . import __version__, options
 from .cli_style import Command, Group
 from .errors import InvalidOption, ShardstreamError
+from .options import Compression, HfToken, OldHfToken, Revision, Sequential
 from .sizes import parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
@@ -45,23 +46,29 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(name)s: %(message)s", stream=sys.stderr)
     warnings.simplefilter("default")
-    logging.captureWarnings(True)
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning is one line saying what to know, like an error: not Python's file, line and source dump."""
+    err_console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
 @app.command(cls=Command)
 def convert(
     source: Annotated[str, typer.Argument(help="Local folder, HTTP(S) base URL, or Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output store folder.")],
-    sequential: Annotated[bool, typer.Option("--sequential", help="One shard at a time; deletes each source shard after use.")] = False,
-    compression: Annotated[str, typer.Option(help="none, 4bit (NF4) or 8bit.")] = "none",
+    sequential: Sequential = False,
+    compression: Compression = "none",
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
     min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
     layer_memory_warning: Annotated[Optional[str], typer.Option(help="With --compression, warn when a layer to quantize (held in memory to do so) exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
-    token: Annotated[Optional[str], typer.Option(help="Hub token.", envvar="HF_TOKEN")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
+    hf_token: HfToken = None,
+    revision: Revision = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each shard and part.")] = False,
+    token: OldHfToken = None,
 ) -> None:
     """Convert a Hugging Face checkpoint into a per-layer store."""
     from .convert import convert as run_convert
@@ -70,12 +77,12 @@ def convert(
     report = run_convert(
         source, out,
         sequential_shard_processing=sequential,
-        compression=None if compression.lower() == "none" else compression.lower(),
+        compression=options.compression(compression),
         delete_original=delete_original,
         profiling_mode=profile,
         min_free_space=parse_size(min_free_space, "--min-free-space"),
         layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
-        token=token, revision=revision, progress=not no_progress,
+        token=token or hf_token, revision=revision, progress=not no_progress,
     )
     console.print(report.summary(), soft_wrap=True, highlight=False)
 
@@ -142,6 +149,7 @@ def verify(
     import time
 
     from .store import open_store, verify_sharding, verify_store
+    from .store.problems import REPAIR, repair
 
     started = time.perf_counter()
     opened = open_store(store, allow_incomplete=True)   # a file or a folder without a store: one sentence
@@ -155,7 +163,9 @@ def verify(
     for problem in problems:
         err_console.print(f"[red]{store / problem.file}: {problem.reason}[/red]", highlight=False)
     if problems:
-        err_console.print("Re-run `shardstream convert` (or `shardstream shard`) with the same arguments to repair the store.")
+        advice = repair(opened.manifest, [p.file for p in problems])
+        err_console.print("Re-run `shardstream convert` (or `shardstream shard`) with the same arguments to repair the store."
+                          if advice == REPAIR else f"To repair the store: {advice}.", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"OK: {hashed / 1e6:.1f} MB verified in {seconds:.2f} s ({hashed / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
 

@@ -20,15 +20,17 @@ from pathlib import Path
 import psutil
 from tqdm.auto import tqdm
 
+from .config_check import check_config
 from .convert_disk import check_disk
 from .convert_writes import PartProfile, WritePipeline
-from .errors import CorruptShard, InvalidOption
+from .errors import CorruptShard, InvalidOption, SourceNotFound
 from .naming import TensorRouter, router_for
 from .safetensors_header import Header, HeaderError, read_header
 from .sources import CheckpointSource, LocalSource, open_source
 from .sources.base import same_source
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME, Manifest, StoreWriter, load_manifest
+from .store.problems import shards_gone
 from .atomic import TEMP_PREFIX, write_json_atomic
 from .store.dtypes import TORCH_DTYPES
 from .store.span import FileSpan, SourceFile
@@ -134,6 +136,7 @@ def convert(
     src = open_source(source, out / STAGING_DIR, token=token, revision=revision, progress=progress)
     config = src.config()
     plan = make_plan(config, src.weight_map())
+    check_config(config, plan.router, src.tensor_shape)
     if isinstance(src, LocalSource):
         src.check_all()
     where, fingerprint = src.identity()
@@ -144,11 +147,12 @@ def convert(
     )
     _make_folder(out)
     writer = StoreWriter.open(out, fresh)
-    if not (out / MANIFEST_NAME).exists():
-        writer.manifest.save(out)   # from now on the folder is recognisably an unfinished store
-    src.copy_metadata(out)
-    job = _Job(src, plan, writer, sequential_shard_processing, min_free_space,
+    job = _Job(src, plan, writer, sequential_shard_processing,
                layer_memory_warning or _default_layer_warning(), progress)
+    _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
+    check_disk(src, out, compression, job.shards_to_read(), sequential_shard_processing, min_free_space)
+    writer.begin()   # from now on the folder is recognisably an (unfinished) store
+    src.copy_metadata(out)
     job.run()
     if plan.tied:
         head, embed, part = plan.tied
@@ -202,6 +206,17 @@ def _refuse_other_contents(out: Path, where: str, fingerprint: dict) -> None:
     check_same_source(out, where, fingerprint)
 
 
+def _refuse_unrepairable(src: CheckpointSource, out: Path, shards: list[str], manifest: Manifest) -> None:
+    """A re-run that needs shards a sequential run deleted cannot finish: refuse before the store
+    is touched (it would be marked incomplete, unusable, for nothing)."""
+    if not isinstance(src, LocalSource):
+        return   # downloaded again
+    gone = [s for s in shards if not (src.root / s).is_file()]
+    if gone:
+        raise SourceNotFound(f"cannot finish or repair {out}, which was left as it was: "
+                             f"{shards_gone(manifest.source, gone, (manifest.source_fingerprint or {}).get('shards', {}))}.")
+
+
 def check_same_source(store: Path, where: str, fingerprint: dict) -> None:
     """Refuse a store whose recorded source is not this one as it is now: a copy of the same shards
     (same sizes and dates, or the same Hub commit) may finish or reuse it, another model may not."""
@@ -234,10 +249,9 @@ class _Job:
     """
 
     def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
-                 min_free_space: int, layer_warning: int, progress: bool):
+                 layer_warning: int, progress: bool):
         self.src, self.plan, self.writer = src, plan, writer
         self.sequential = sequential
-        self.min_free_space = min_free_space
         self.layer_warning = layer_warning
         self.progress = progress
         self.buffer: dict[str, dict[str, FileSpan]] = defaultdict(dict)
@@ -246,7 +260,7 @@ class _Job:
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
         self.warned_parts: set[str] = set()
         self.skipped = sorted(writer.manifest.parts)
-        self.writes = WritePipeline(writer, plan.expert_of)
+        self.writes = WritePipeline(writer, plan.expert_of, plan.weight_map)
         self.profile = self.writes.profile
 
     def run(self) -> None:
@@ -255,17 +269,19 @@ class _Job:
 
     def _run(self) -> None:
         shards = self.src.shard_names()
-        todo = [s for s in shards if self._wanted(s)]
+        todo = self.shards_to_read()
         for shard in shards:
             if shard not in todo and self.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
         # drawn only on a terminal, and closed before an error is printed (never redrawn after it)
         with tqdm(total=len(todo), unit="shard", disable=None if self.progress else True, desc="convert") as bar:
             if not self.sequential:
-                fetched = {s: self._fetch(s, shards.index(s)) for s in todo}
+                fetched = {s: self._fetch(s) for s in todo}
             for shard in todo:
                 index = shards.index(shard)   # piece files are named by it: the same after a resume
-                path, wait = fetched[shard] if not self.sequential else self._fetch(shard, index)
+                if self.sequential:
+                    self._check_disk(todo[todo.index(shard):])
+                path, wait = fetched[shard] if not self.sequential else self._fetch(shard)
                 self._process(shard, path, wait, index, last=shard == todo[-1])
                 if self.sequential:
                     self.writes.release_when_written(shard, self._delete, wait=isinstance(self.src, RemoteSource))
@@ -276,6 +292,10 @@ class _Job:
             for shard in todo:
                 self.src.release(shard, delete=False)
 
+    def shards_to_read(self) -> list[str]:
+        """The shards holding tensors that are still to be written (damaged files' ones included)."""
+        return [s for s in self.src.shard_names() if self._wanted(s)]
+
     def _delete(self, shard: str) -> None:
         self.src.release(shard, delete=True)
 
@@ -284,8 +304,12 @@ class _Job:
         return [n for n in self.plan.shard_tensors.get(shard, ())
                 if n not in self.stored and self.plan.part_of[n] not in self.completed]
 
-    def _fetch(self, shard: str, index: int) -> tuple[Path, float]:
-        check_disk(self.src, self.writer.root, self.writer.manifest.compression, shard, index, self.min_free_space)
+    def _check_disk(self, todo: list[str]) -> None:
+        """Before each shard of a sequential run: the rest must still fit (convert() checked it all
+        before the first; this catches what else fills the disk meanwhile)."""
+        check_disk(self.src, self.writer.root, self.writer.manifest.compression, todo, sequential=True)
+
+    def _fetch(self, shard: str) -> tuple[Path, float]:
         started = time.perf_counter()
         path = self.src.fetch(shard)
         return path, time.perf_counter() - started

@@ -1,41 +1,62 @@
-"""Disk-space checks before each shard: abort before the disk fills, warn when it runs low."""
+"""Disk-space checks: abort before writing what cannot fit, warn when little would stay free.
+
+The check counts everything still to be written (the output of every shard not yet converted, the
+downloads a remote source stages, the manifest), not just the next shard: a store that cannot be
+finished is refused before it takes the disk. A sequential run from a local folder on the same
+disk is the exception: each shard it deletes frees more than it turns into, so only the next
+shard's output must fit.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
 
 from .errors import DiskSpaceError
-from .sources import CheckpointSource
+from .sizes import format_size
+from .sources import CheckpointSource, LocalSource
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME
 
+SLACK = 65536   # folders and the temp file beside each rename
 
-def check_disk(src: CheckpointSource, root: Path, compression: str | None, shard: str, index: int,
-               min_free_space: int) -> None:
-    """Raise when the next shard cannot fit; warn when what remains would leave less than the threshold."""
+
+def check_disk(src: CheckpointSource, root: Path, compression: str | None, todo: list[str], sequential: bool,
+               min_free_space: int | None = None) -> None:
+    """Raise DiskSpaceError unless the shards in `todo` (in order) can still be converted into `root`;
+    warn when that would leave less than `min_free_space` (checked once, before the first shard)."""
+    if not todo:
+        return
     free = shutil.disk_usage(root).free
-    shard_bytes = src.shard_size(shard) or 0
-    remote = isinstance(src, RemoteSource)
+    sizes = [src.shard_size(s) or 0 for s in todo]
     ratio = compression_ratio(compression)
     manifest = root / MANIFEST_NAME
-    manifest_bytes = manifest.stat().st_size if manifest.exists() else 0
-    # the shard (when downloaded), what it turns into, and the manifest rewritten beside itself
-    next_step = (shard_bytes if remote else 0) + int(shard_bytes * ratio) + 2 * manifest_bytes + 65536
-    remaining = sum(src.shard_size(s) or 0 for s in src.shard_names()[index:])
-    if free < next_step:
+    overhead = 2 * (manifest.stat().st_size if manifest.exists() else 0) + SLACK   # manifest rewritten beside itself
+    output = int(sum(sizes) * ratio)
+    downloads = 0
+    if isinstance(src, RemoteSource):
+        downloads = max(sizes) if sequential else sum(sizes)   # one staged shard at a time, or all first
+    elif sequential and isinstance(src, LocalSource) and _same_disk(src.root, root):
+        output = int(sizes[0] * ratio)   # the shards deleted on the way free the room for the rest
+    needed = output + downloads + overhead
+    if free < needed:
         raise DiskSpaceError(
-            f"only {free / 1e9:.2f} GB free in {root} but the next shard {shard} "
-            f"needs about {next_step / 1e9:.2f} GB; free some space and re-run (finished parts are kept)."
+            f"{root} has {format_size(free)} free but converting the {len(todo)} shard{'s' if len(todo) > 1 else ''} "
+            f"left needs about {format_size(needed)}; free some space (or give an output folder on a bigger disk) "
+            "and re-run, nothing was written that does not fit."
         )
-    if free - int(remaining * ratio) < min_free_space:
+    if min_free_space is not None and free - needed < min_free_space:
         warnings.warn(
-            f"low disk space in {root}: {free / 1e9:.2f} GB free, about "
-            f"{remaining * ratio / 1e9:.2f} GB still to write (threshold "
-            f"{min_free_space / 1e9:.2f} GB).",
+            f"low disk space in {root}: {format_size(free)} free, about {format_size(needed)} still to write, "
+            f"which leaves less than --min-free-space ({format_size(min_free_space)}).",
             stacklevel=2,
         )
+
+
+def _same_disk(a: Path, b: Path) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev
 
 
 def compression_ratio(compression: str | None) -> float:

@@ -38,9 +38,10 @@ class WritePipeline:
 
     WRITERS = 2
 
-    def __init__(self, writer: StoreWriter, expert_of: dict[str, int]):
+    def __init__(self, writer: StoreWriter, expert_of: dict[str, int], shard_of: dict[str, str]):
         self.writer = writer
         self.expert_of = expert_of
+        self.shard_of = shard_of
         self.pending: deque[Future] = deque()
         self.piece_writes: dict[str, list[Future]] = {}
         self.releases: list[Future] = []
@@ -102,7 +103,8 @@ class WritePipeline:
     def _write(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], piece: int | None, complete: bool) -> None:
         """Runs on a writer thread; StoreWriter serialises the manifest updates."""
         experts = {n: self.expert_of[n] for n in tensors if n in self.expert_of}
-        timings = self.writer.write(part, tensors, experts, piece, complete)
+        shards = sorted({self.shard_of[n] for n in tensors})
+        timings = self.writer.write(part, tensors, experts, piece, complete, shards)
         with self.stats_lock:
             profile = self.profile[part]
             profile.read_seconds += timings.read_seconds

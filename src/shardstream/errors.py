@@ -30,6 +30,10 @@ class UnsupportedModel(ShardstreamError, ValueError):
     """The model's architecture or tensors cannot be handled."""
 
 
+class ConfigMismatch(ShardstreamError, ValueError):
+    """config.json has a field of the wrong type, or one its checkpoint's tensors contradict."""
+
+
 class StoreCorrupt(ShardstreamError, ValueError):
     """A store file or the manifest fails its checksum or its header checks."""
 

@@ -165,7 +165,7 @@ _EMBEDDING_LIKE = re.compile(
 )
 _WORD_EMBEDDING = re.compile(r"(?:.*\.)?(?:embed_tokens|wte|word_embeddings|tok_embeddings|embed_in)\.weight")
 
-_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def _first_present(candidates: tuple[str, ...], names: set[str]) -> str:
@@ -205,6 +205,15 @@ class TensorRouter:
             return None
         return _first_present(self._scheme.heads, self._names), _first_present(self._scheme.embeddings, self._names)
 
+    def embedding(self) -> str | None:
+        """The input embedding's tensor name, when the family or pattern knows it and the checkpoint has it."""
+        embeddings = self._scheme.embeddings if self._scheme is not None else ()
+        return next((name for name in embeddings if name in self._names), None)
+
+    def blocks(self) -> set[int]:
+        """The numbers of the blocks the checkpoint's tensors fill."""
+        return {part.index for part in self._parts if part.kind == "mid"}
+
     def parts(self) -> list[Part]:
         """Every part the checkpoint's tensors fill, in model order."""
         return list(self._parts)
@@ -223,7 +232,7 @@ def _pattern_scheme(names: list[str]) -> _Scheme | None:
 
 
 def _num_layers(config: dict, indices: set[int]) -> int:
-    for key in _LAYER_COUNT_KEYS:
+    for key in LAYER_COUNT_KEYS:
         if key in config:
             value = config[key]
             if type(value) is not int or value < 0:

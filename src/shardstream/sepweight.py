@@ -66,6 +66,7 @@ def import_directory(sep_dir: str | Path, out: str | Path, *, config: dict | Non
     manifest = Manifest(source=str(sep_dir), config=config or {}, family="sepweight",
                         compression=compression, expected_parts=list(parts))
     writer = StoreWriter.open(out, manifest)
+    writer.begin()
     for part, folder in parts.items():
         if part in writer.manifest.parts:
             continue

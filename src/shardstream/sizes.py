@@ -21,3 +21,12 @@ def parse_size(text: str, option: str) -> int:
         return int(float(number) * SIZE_UNITS[unit])
     except (ValueError, KeyError):
         raise InvalidOption(f"{option} takes a size such as 1GB, 500MB or 2GiB, not {text!r}.") from None
+
+
+def format_size(nbytes: int) -> str:
+    """For messages: GB where that reads as more than 0.00, else MB (else kB)."""
+    if nbytes >= 10**9:
+        return f"{nbytes / 1e9:.2f} GB"
+    if nbytes >= 10**6:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e3:.0f} kB"

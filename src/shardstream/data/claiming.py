@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 
 from shardstream.data.blocks import BlockManager
 from shardstream.data.config import TrainConfig
@@ -26,6 +27,12 @@ class Budget:
                 self.left.value -= granted
         return granted
 
+    def give_back(self, n: int) -> None:
+        """Return reserved steps that will not be taken (a chunk lost to another worker)."""
+        with self.left.get_lock():
+            if self.left.value >= 0:
+                self.left.value += n
+
     def exhausted(self) -> bool:
         return self.left.value == 0
 
@@ -34,13 +41,14 @@ class Budget:
             self.done.value += n
 
 
-
-def next_claim(tracker: ChunkTracker, blocks: BlockManager, owner: str, cfg: TrainConfig, budget: Budget) -> Claim | None:
+def next_claim(tracker: ChunkTracker, blocks: BlockManager, owner: str, cfg: TrainConfig, budget: Budget,
+               on_idle: Callable[[], None] = lambda: None) -> Claim | None:
     """The next chunk to train, or None when the steps are spent or the data is done.
 
     Nothing claimable has four reasons: blocks not yet read (read the next one and register it),
-    the epoch done (roll over with --iterate, else stop), or other workers' leases still running
-    (wait: one of them may expire and come back to the pool).
+    the epoch done (roll over with --iterate, else stop), or leases still running (wait: one of
+    them may expire and come back to the pool). Before each wait `on_idle` runs: a worker's own
+    trained chunks stay leased until a checkpoint holds them, so it saves and heartbeats there.
     """
     poll = min(0.5, cfg.lease_seconds / 10)
     while not budget.exhausted():
@@ -59,5 +67,6 @@ def next_claim(tracker: ChunkTracker, blocks: BlockManager, owner: str, cfg: Tra
                 return None
             tracker.advance_epoch(status.epoch)
         else:
+            on_idle()
             time.sleep(poll)
     return None

@@ -18,7 +18,7 @@ from shardstream.cli_style import Command, Group
 from shardstream.data.blocks import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLES_PER_BLOCK
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import read_state, write_state
-from shardstream.data.config import TrainConfig, default_cache_dir
+from shardstream.data.config import DEFAULT_SAVE_EVERY, TrainConfig, default_cache_dir
 from shardstream.errors import InvalidOption
 
 data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True, cls=Group)
@@ -55,6 +55,7 @@ def train_command(
     ddp: Annotated[bool, typer.Option("--ddp", help="torch.distributed data parallel (gloo on CPU) instead of independent replicas.")] = False,
     nproc: Annotated[int, typer.Option(help="Ranks for --ddp.")] = 2,
     lease_seconds: Annotated[float, typer.Option(help="A claimed chunk returns to the pool this long after its last heartbeat.")] = 60.0,
+    save_every: Annotated[int, typer.Option(help="Save the checkpoint every N steps (per worker); a chunk counts as done once a checkpoint holds it.")] = DEFAULT_SAVE_EVERY,
     log_file: Annotated[Optional[Path], typer.Option(help="Metrics as JSON lines.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random init from config.json.")] = 0,
 ) -> None:
@@ -69,7 +70,8 @@ def train_command(
     cfg = TrainConfig(model=model, dataset=dataset_file, output=output, tokenizer=tokenizer, tracker=tracker, cache_dir=cache_dir,
                       text_field=text_field, samples_per_block=samples_per_block, chunk_size=dataset_chunk_size, steps=steps,
                       iterate=iterate, batch_size=batch_size, seq_len=seq_len, lr=lr, workers=workers or max(1, len(ids)),
-                      cuda_ids=ids, ddp=ddp, nproc=nproc, lease_seconds=lease_seconds, log_file=log_file, seed=seed)
+                      cuda_ids=ids, ddp=ddp, nproc=nproc, lease_seconds=lease_seconds, save_every=save_every, log_file=log_file,
+                      seed=seed)
     stats = train(cfg)
     progress = (f"epoch {stats['current_epoch']}: {stats['chunks_done']}/{stats['chunks_total']} chunks done "
                 f"(tracker total {stats['total_steps']} steps)")

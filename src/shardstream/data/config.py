@@ -11,6 +11,9 @@ from pathlib import Path
 
 from shardstream.data.blocks import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLES_PER_BLOCK, BlockManager
 
+# Steps between checkpoints: a chunk counts as done only once a saved checkpoint holds it.
+DEFAULT_SAVE_EVERY = 500
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardstream" / "data"
@@ -37,6 +40,7 @@ class TrainConfig:
     ddp: bool = False
     nproc: int = 2
     lease_seconds: float = 60.0
+    save_every: int = DEFAULT_SAVE_EVERY
     log_file: Path | None = None
     seed: int = 0
 

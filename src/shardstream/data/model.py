@@ -44,9 +44,11 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None) -> PreTrainedTok
     return tokenizer
 
 
-def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Parameter average of independently trained replicas (same init), the checkpoint of a parallel run."""
+def average_state_dicts(state_dicts: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Weighted parameter average of independently trained replicas (same init), the checkpoint of a
+    parallel run; weights by steps trained, so a replica that trained less moves the result less."""
     if len(state_dicts) == 1:
         return state_dicts[0]
-    return {name: (torch.stack([sd[name].float() for sd in state_dicts]).mean(0).to(t.dtype) if t.is_floating_point() else t)
+    w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    return {name: (torch.stack([sd[name].double() * wi for sd, wi in zip(state_dicts, w)]).sum(0).to(t.dtype) if t.is_floating_point() else t)
             for name, t in state_dicts[0].items()}

@@ -1,8 +1,13 @@
-"""The training loop of one worker: claim a chunk, train on it step by step, complete it, repeat.
+"""The training loop of one worker: claim a chunk, train on it step by step, repeat, saving as it goes.
 
 Two shapes share it. Parallel-independent: every worker process has its own model replica and its
 own claims. DDP: rank 0 alone talks to the tracker and broadcasts each claim (or "stop"), so all
 ranks train the same chunk in lock step and all stop together when the data or the steps run out.
+
+A trained chunk stays leased to its worker (heartbeats keep it) until a saved checkpoint holds it:
+only that save records it done. The trainer saves every --save-every steps, before it waits for
+other workers' chunks, and at the end: itself (one process, DDP rank 0), or, with several
+independent workers, by leaving its replica in a file that the parent merges and saves.
 """
 
 from __future__ import annotations
@@ -12,16 +17,20 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from shardstream.data.bundle import model_source, read_bundle
+from shardstream.atomic import write_with_atomic
+from shardstream.data.bundle import model_source, read_bundle, save_checkpoint
 from shardstream.data.claiming import Budget, next_claim
 from shardstream.data.config import TrainConfig
 from shardstream.data.dataset import batches, encode, rank_slice
 from shardstream.data.model import load_model, load_tokenizer
 from shardstream.data.tracker import ChunkTracker, Claim, open_tracker
+
+Trained = list[tuple[Claim, int]]   # chunks trained, with their sample counts
 
 
 class MetricsLog:
@@ -81,50 +90,156 @@ def _log_step(log: MetricsLog, worker: str, step: int, claim: Claim, loss: float
                "chunk": claim.chunk, "loss": round(loss, 5), "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)})
 
 
-def _train_chunk(replica: Replica, tracker: ChunkTracker, claim: Claim, texts: list[str], budget: Budget,
-                 log: MetricsLog, worker: str, steps_so_far: int) -> tuple[int, bool]:
-    """Train one chunk; returns (steps taken, go on?). Stops early if the lease is lost or the budget ends."""
-    lease = replica.cfg.lease_seconds
-    taken = unreported = 0
-    last_beat = time.monotonic()
-    for texts_batch in batches(texts, replica.cfg.batch_size):
-        if budget.take(1) == 0:
-            tracker.release(claim, unreported)
-            return taken, False
+def log_chunks_done(log: MetricsLog, cfg: TrainConfig, completed: Trained) -> None:
+    for claim, samples in completed:
+        log.write({"event": "chunk_done", "worker": claim.owner, "epoch": claim.epoch, "block": claim.block,
+                   "chunk": claim.chunk, "samples": samples, "samples_per_block": cfg.samples_per_block})
+
+
+class Ledger:
+    """What one trainer holds: the chunk it trains, the chunks it trained that no saved checkpoint
+    holds yet (kept leased, so no one else takes them and a crash gives them back), and its steps."""
+
+    def __init__(self, tracker: ChunkTracker, lease_seconds: float) -> None:
+        self.tracker, self.lease = tracker, lease_seconds
+        self.current: Claim | None = None
+        self.trained: Trained = []
+        self.steps = self.unreported = self.saved_steps = 0
+        self.unsaved_chunks = False
+        self.last_beat = time.monotonic()
+
+    def step(self) -> bool:
+        """Count a step on the current chunk, heartbeating every quarter lease; False once that chunk was lost."""
+        self.steps, self.unreported = self.steps + 1, self.unreported + 1
+        return time.monotonic() - self.last_beat <= self.lease / 4 or self.beat()
+
+    def beat(self) -> bool:
+        """Extend every lease held and report the steps taken; False if the current chunk's lease was lost."""
+        self.trained = [(claim, n) for claim, n in self.trained if self.tracker.heartbeat(claim, self.lease)]
+        self.last_beat = time.monotonic()
+        if self.current is None:
+            return True
+        kept = self.tracker.heartbeat(self.current, self.lease, self.unreported)
+        self.current = self.current if kept else None
+        self.unreported = 0
+        return kept
+
+    def finish(self, samples: int) -> bool:
+        """The current chunk is trained: hold it until a save. False if its lease was lost meanwhile."""
+        kept = self.current is not None and self.tracker.heartbeat(self.current, self.lease, self.unreported)
+        if kept:
+            self.trained.append((self.current, samples))
+            self.unsaved_chunks = True
+        self.current, self.unreported = None, 0
+        return kept
+
+    def release(self) -> None:
+        """Give the current chunk back at once (stopped mid-chunk); its steps are counted, not recorded as done."""
+        if self.current is not None:
+            self.tracker.release(self.current, self.unreported)
+        self.current, self.unreported = None, 0
+
+    def release_all(self) -> None:
+        """Stopped by the user: every chunk held goes back to the pool now, not when its lease expires."""
+        self.release()
+        for claim, _ in self.trained:
+            self.tracker.release(claim)
+        self.trained = []
+
+    def save_due(self, every: int | None = None) -> bool:
+        """Every `every` steps; with None, whenever anything is not saved yet."""
+        if every is None:
+            return self.steps > self.saved_steps or self.unsaved_chunks
+        return self.steps - self.saved_steps >= every
+
+    def saved(self, completed: Trained) -> None:
+        self.saved_steps, self.unsaved_chunks = self.steps, False
+        self.trained = [held for held in self.trained if held not in completed]
+
+
+def worker_file(results: Path, index: int) -> Path:
+    return results / f"worker-{index}.pt"
+
+
+def ready_file(results: Path, index: int) -> Path:
+    """Exists once worker `index` has loaded its weights; the parent saves nothing over them before."""
+    return results / f"worker-{index}.ready"
+
+
+def _save(cfg: TrainConfig, replica: Replica, ledger: Ledger, log: MetricsLog, results: Path | None, index: int) -> None:
+    """Save here (the checkpoint, then the chunks it holds are done), or leave the replica for the parent to merge."""
+    if results is None:
+        completed = save_checkpoint(cfg, ledger.tracker, replica.model, replica.optimizer.state_dict(), ledger.trained)
+        log_chunks_done(log, cfg, completed)
+    else:
+        snapshot = {**replica.state(), "steps": ledger.steps, "trained": [(claim.token, n) for claim, n in ledger.trained]}
+        write_with_atomic(worker_file(results, index), lambda tmp: torch.save(snapshot, tmp))
+        completed = []
+    ledger.saved(completed)
+
+
+def _train_chunk(replica: Replica, ledger: Ledger, claim: Claim, texts: list[str], budget: Budget, log: MetricsLog,
+                 worker: str, save_when_due: Callable[[], None]) -> bool:
+    """Train one chunk; returns whether to go on (False: the budget ended, and the chunk went back to the pool).
+
+    The chunk's steps are reserved from the budget up front, as DDP's rank 0 does, so a --steps that
+    is a multiple of a chunk's steps ends on whole chunks with any number of workers."""
+    todo = list(batches(texts, replica.cfg.batch_size))
+    granted = budget.take(len(todo))
+    for done, texts_batch in enumerate(todo):
+        save_when_due()
+        if done == granted:
+            ledger.release()
+            return False
         start = time.perf_counter()
         loss, tokens = replica.step(texts_batch)
-        taken, unreported = taken + 1, unreported + 1
         budget.count(1)
-        _log_step(log, worker, steps_so_far + taken, claim, loss, tokens, time.perf_counter() - start)
-        if time.monotonic() - last_beat > lease / 4:
-            if not tracker.heartbeat(claim, lease, unreported):
-                log.write({"event": "lease_lost", "worker": worker, "epoch": claim.epoch, "block": claim.block, "chunk": claim.chunk})
-                return taken, True
-            unreported, last_beat = 0, time.monotonic()
-    if tracker.complete(claim, unreported, len(texts)):
-        log.write({"event": "chunk_done", "worker": worker, "epoch": claim.epoch, "block": claim.block, "chunk": claim.chunk,
-                   "samples": len(texts), "samples_per_block": replica.cfg.samples_per_block})
-    return taken, True
+        kept = ledger.step()
+        _log_step(log, worker, ledger.steps, claim, loss, tokens, time.perf_counter() - start)
+        if not kept:
+            log.write({"event": "lease_lost", "worker": worker, "epoch": claim.epoch, "block": claim.block, "chunk": claim.chunk})
+            budget.give_back(granted - done - 1)
+            return True
+    ledger.finish(len(texts))
+    save_when_due()
+    return True
 
 
-def run_independent(cfg: TrainConfig, index: int, budget: Budget) -> dict:
-    """One parallel-independent worker until the data or the budget ends; returns `Replica.state()`."""
+def run_independent(cfg: TrainConfig, index: int, budget: Budget, results: Path | None = None) -> None:
+    """One parallel-independent worker until the data or the budget ends.
+
+    Saves the checkpoint itself, or with `results` leaves its replica there as `worker-<index>.pt`."""
     worker = worker_name(index)
     replica = Replica(cfg, torch.device(cfg.device(index)))
+    if results is not None:
+        ready_file(results, index).touch()
     blocks, log = cfg.block_manager(), MetricsLog(cfg.log_file)
     with open_tracker(cfg.tracker_url) as tracker:
-        steps = 0
-        while (claim := next_claim(tracker, blocks, worker, cfg, budget)) is not None:
-            taken, go_on = _train_chunk(replica, tracker, claim, blocks.chunk(claim.block, claim.chunk), budget, log, worker, steps)
-            steps += taken
-            if not go_on:
-                break
+        ledger = Ledger(tracker, cfg.lease_seconds)
+
+        def save_when_due(every: int | None = cfg.save_every) -> None:
+            if ledger.save_due(every):
+                _save(cfg, replica, ledger, log, results, index)
+
+        def idle() -> None:
+            save_when_due(None)
+            ledger.beat()
+
+        try:
+            while (claim := next_claim(tracker, blocks, worker, cfg, budget, idle)) is not None:
+                ledger.current = claim
+                if not _train_chunk(replica, ledger, claim, blocks.chunk(claim.block, claim.chunk), budget, log, worker,
+                                    save_when_due):
+                    break
+            save_when_due(None)
+        except KeyboardInterrupt:
+            ledger.release_all()
+            raise
     log.close()
-    return replica.state()
 
 
-def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict:
-    """One DDP rank (the process group is already up); rank 0 claims, everyone trains the same chunk."""
+def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> None:
+    """One DDP rank (the process group is already up); rank 0 claims and saves, everyone trains the same chunk."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -133,12 +248,23 @@ def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict:
     replica = Replica(cfg, device, wrap=lambda m: DistributedDataParallel(m, device_ids=[device.index] if cfg.cuda_ids else None))
     blocks, log = cfg.block_manager(), MetricsLog(cfg.log_file if rank == 0 else None)
     tracker = open_tracker(cfg.tracker_url) if rank == 0 else None
-    worker, steps = worker_name(rank), 0
+    ledger = Ledger(tracker, cfg.lease_seconds) if rank == 0 else None
+    worker = worker_name(rank)
+
+    def save_when_due(every: int | None = cfg.save_every) -> None:
+        if ledger.save_due(every):
+            _save(cfg, replica, ledger, log, None, rank)
+
+    def idle() -> None:
+        save_when_due(None)
+        ledger.beat()
+
     while True:
         message: list = [None]
         if rank == 0:
-            claim = next_claim(tracker, blocks, worker, cfg, budget)
+            claim = next_claim(tracker, blocks, worker, cfg, budget, idle)
             if claim is not None:
+                ledger.current = claim
                 total = math.ceil(len(blocks.chunk(claim.block, claim.chunk)) / (cfg.batch_size * world))
                 message = [(claim, total, budget.take(total))]
         dist.broadcast_object_list(message, src=0)
@@ -146,27 +272,24 @@ def run_ddp_rank(cfg: TrainConfig, rank: int, budget: Budget) -> dict:
             break
         claim, total, granted = message[0]
         texts = blocks.chunk(claim.block, claim.chunk)
-        global_batches = list(batches(texts, cfg.batch_size * world))[:granted]
-        last_beat = time.monotonic()
-        for i, global_batch in enumerate(global_batches, 1):
+        for global_batch in list(batches(texts, cfg.batch_size * world))[:granted]:
+            if rank == 0:
+                save_when_due()
             start = time.perf_counter()
             loss, tokens = replica.step(rank_slice(global_batch, rank, world))
-            steps += 1
             if rank == 0:
                 budget.count(1)
-                _log_step(log, worker, steps, claim, loss, tokens * world, time.perf_counter() - start)
-                if time.monotonic() - last_beat > cfg.lease_seconds / 4:
-                    tracker.heartbeat(claim, cfg.lease_seconds, 0)
-                    last_beat = time.monotonic()
+                ledger.step()
+                _log_step(log, worker, ledger.steps, claim, loss, tokens * world, time.perf_counter() - start)
         if rank == 0:
             if granted < total:
-                tracker.release(claim, granted)
-            elif tracker.complete(claim, granted, len(texts)):
-                log.write({"event": "chunk_done", "worker": worker, "epoch": claim.epoch, "block": claim.block,
-                           "chunk": claim.chunk, "samples": len(texts), "samples_per_block": cfg.samples_per_block})
+                ledger.release()
+            else:
+                ledger.finish(len(texts))
+                save_when_due()
         if granted < total:
             break
-    if tracker is not None:
+    if rank == 0:
+        save_when_due(None)
         tracker.close()
     log.close()
-    return replica.state()

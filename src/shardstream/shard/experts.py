@@ -52,15 +52,20 @@ def expert_file(tier: str, group: int, expert: int) -> str:
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
     """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
     is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
-    an interrupted run and rewrites the same files."""
+    an interrupted run and rewrites the same files; a store without experts is refused, unchanged."""
     index = load_index(store, for_update=True)
-    define_tiers(store, index, tiers)
     groups: dict[tuple[int, int], list[str]] = {}
     for name, record in store.manifest.tensors.items():
         if record.expert is not None:
             groups.setdefault((Part.parse(record.part).index, record.expert), []).append(name)
     for key, record in index.experts.items():   # already stored apart by an earlier run
         groups.setdefault((record.group, record.expert), list(record.tensors))
+    if not groups:
+        raise InvalidOption(
+            f"{store.root} holds no mixture-of-experts experts to place (model_type "
+            f"{store.config.get('model_type')!r}, no tensor of one expert); leave out --experts."
+        )
+    define_tiers(store, index, tiers)
     first_tier = next(iter(tiers))
     buffers = _FileBuffers(store)
     for layer in sorted({group for group, _ in groups}):   # a layer at a time: its part is read once

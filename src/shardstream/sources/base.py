@@ -71,8 +71,8 @@ class CheckpointSource(ABC):
         """Whether the source holds a file of that name."""
 
     @abstractmethod
-    def _tensor_names(self, name: str) -> list[str] | None:
-        """Tensor names in a safetensors file's header, read without its data; None if absent."""
+    def _tensor_shapes(self, name: str) -> dict[str, list[int]] | None:
+        """Tensor names and shapes in a safetensors file's header, read without its data; None if absent."""
 
     @abstractmethod
     def _size(self, name: str) -> int | None:
@@ -121,6 +121,11 @@ class CheckpointSource(ABC):
             self._weight_map = weight_map
         return dict(self._weight_map)
 
+    def tensor_shape(self, tensor: str) -> list[int] | None:
+        """One tensor's shape, from its shard's header alone (a few KB, even for a remote shard)."""
+        shard = self.weight_map().get(tensor)
+        return None if shard is None else (self._tensor_shapes(shard) or {}).get(tensor)
+
     def shard_size(self, name: str) -> int | None:
         """Bytes, if known without downloading; asked once per shard, since planners ask often."""
         self._check_known(name)
@@ -145,7 +150,7 @@ class CheckpointSource(ABC):
         return copied
 
     def _single_file_map(self) -> dict[str, str]:
-        names = self._tensor_names(SINGLE_FILE)
+        names = self._tensor_shapes(SINGLE_FILE)
         if names is not None:
             return dict.fromkeys(names, SINGLE_FILE)
         if any(self._has_file(name) for name in PICKLE_WEIGHTS):

@@ -27,6 +27,7 @@ from shardstream.sources.remote import RemoteSource
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 CHUNK_BYTES = 1 << 20
 IDENTITY = {"Accept-Encoding": "identity"}  # sizes must be the file's, not a compressed body's
+HEADER_GUESS = 64 * 1024   # first request for a shard's header; most fit, a longer one takes a second
 
 
 class HttpSource(RemoteSource):
@@ -81,27 +82,36 @@ class HttpSource(RemoteSource):
         with self._open("HEAD", name, IDENTITY) as response:
             return _int_header(response, "Content-Length")
 
-    def _tensor_names(self, name: str) -> list[str] | None:
-        """Read just the header: stream the file and hang up once the header has arrived."""
-        with self._open("GET", name, IDENTITY, missing_ok=True) as response:
-            if response is None:
-                return None
-            size = _int_header(response, "Content-Length")
-            prefix = bytearray()
-            needed = 8
-            for chunk in response.iter_bytes(64 * 1024):
-                prefix += chunk
-                if len(prefix) >= 8 and needed == 8:
-                    (header_len,) = struct.unpack("<Q", prefix[:8])
-                    needed += header_len if header_len <= MAX_HEADER_BYTES else 0
-                if len(prefix) >= needed:
-                    break
+    def _tensor_shapes(self, name: str) -> dict[str, list[int]] | None:
+        """Read just the header: ask for the file's first bytes (a server without Range support
+        streams the file, and the connection is dropped once the header has arrived)."""
+        got = self._first_bytes(name, HEADER_GUESS)
+        if got is None:
+            return None
+        prefix, size = got
+        if len(prefix) >= 8:
+            needed = 8 + struct.unpack("<Q", prefix[:8])[0]
+            if len(prefix) < needed <= 8 + MAX_HEADER_BYTES:
+                prefix, size = self._first_bytes(name, needed)
         if size is None:
             raise self._corrupt(name, "the server sent no Content-Length", "serve it with a size and run again.")
         try:
-            return list(parse_header(bytes(prefix[:needed]), size).tensors)
+            return {n: list(e.shape) for n, e in parse_header(bytes(prefix), size).tensors.items()}
         except HeaderError as exc:
             raise self._corrupt(name, str(exc), f"replace {self.url(name)} with a good copy.") from None
+
+    def _first_bytes(self, name: str, count: int) -> tuple[bytearray, int | None] | None:
+        """Up to `count` bytes from the start of the file and the file's size; None if it is absent."""
+        with self._open("GET", name, {**IDENTITY, "Range": f"bytes=0-{count - 1}"}, missing_ok=True) as response:
+            if response is None:
+                return None
+            size = _content_range(response)[1] if response.status_code == 206 else _int_header(response, "Content-Length")
+            prefix = bytearray()
+            for chunk in response.iter_bytes(64 * 1024):
+                prefix += chunk
+                if len(prefix) >= count:
+                    break
+        return prefix[:count], size
 
     def _download(self, name: str) -> Path:
         final = self.staged_path(name)

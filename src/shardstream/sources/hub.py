@@ -94,12 +94,13 @@ class HubSource(RemoteSource):
         with self._translated(name):
             return self._metadata(name).size
 
-    def _tensor_names(self, name: str) -> list[str] | None:
+    def _tensor_shapes(self, name: str) -> dict[str, list[int]] | None:
         """huggingface_hub reads just the header with a Range request."""
         api = HfApi(token=self.token)
         with self._translated(name):
             try:
-                return list(api.parse_safetensors_file_metadata(self.repo_id, name, revision=self.revision).tensors)
+                tensors = api.parse_safetensors_file_metadata(self.repo_id, name, revision=self.revision).tensors
+                return {n: list(info.shape) for n, info in tensors.items()}
             except RemoteEntryNotFoundError:
                 return None
             except SafetensorsParsingError as exc:

@@ -34,12 +34,12 @@ class LocalSource(CheckpointSource):
     def _has_file(self, name: str) -> bool:
         return (self.root / name).is_file()
 
-    def _tensor_names(self, name: str) -> list[str] | None:
+    def _tensor_shapes(self, name: str) -> dict[str, list[int]] | None:
         path = self.root / name
         if not path.is_file():
             return None
         try:
-            return list(read_header(path).tensors)
+            return {n: list(e.shape) for n, e in read_header(path).tensors.items()}
         except HeaderError as exc:
             raise self._corrupt(name, str(exc), REMEDY) from None
 

@@ -61,6 +61,7 @@ class Manifest:
     aliases: dict[str, dict] = field(default_factory=dict)   # name -> {target, part}
     sharding: str | None = None   # the sharding index file (TP slices, experts by tier), when exported
     source_fingerprint: dict | None = None   # shard sizes and dates, or the Hub commit (sources.base.same_source)
+    source_shards: dict[str, list[str]] = field(default_factory=dict)   # file -> the source shards it was made from
     complete: bool = False
 
     def to_dict(self) -> dict:

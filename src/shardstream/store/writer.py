@@ -67,7 +67,10 @@ class StoreWriter:
 
     @classmethod
     def open(cls, root: Path, fresh: Manifest) -> "StoreWriter":
-        """Start a store, or resume one begun with the same settings, keeping only files that pass."""
+        """Start a store, or resume one begun with the same settings, keeping only files that pass.
+
+        Nothing on disk changes until `begin`: a repair that cannot proceed (its source shards are
+        gone) must leave a finished store as usable as it was."""
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         discard_temp_files(root)
@@ -83,19 +86,23 @@ class StoreWriter:
             )
         writer = cls(root, existing)
         writer._drop_invalid_files()
-        writer._sync_recorded()   # a killed run may not have synced them; its shards may now be deleted
         return writer
 
+    def begin(self) -> None:
+        """Record the store as it is to be written (invalid files forgotten) and make every file it
+        keeps durable: a killed run may not have synced them, and its shards may now be deleted."""
+        self._sync_recorded()
+
     def _drop_invalid_files(self) -> None:
+        """Forget (in memory) every recorded file that is missing or fails its checksum."""
         manifest = self.manifest
         bad = {name for name, record in manifest.files.items() if not self._file_matches(name, record)}
-        if not bad:
-            return
-        manifest.files = {n: r for n, r in manifest.files.items() if n not in bad}
-        manifest.tensors = {n: r for n, r in manifest.tensors.items() if r.file not in bad}
-        manifest.parts = {p: r for p, r in manifest.parts.items() if not bad & set(r.files)}
-        manifest.complete = False
-        manifest.save(self.root)
+        if bad:
+            manifest.files = {n: r for n, r in manifest.files.items() if n not in bad}
+            manifest.tensors = {n: r for n, r in manifest.tensors.items() if r.file not in bad}
+            manifest.parts = {p: r for p, r in manifest.parts.items() if not bad & set(r.files)}
+            manifest.source_shards = {n: s for n, s in manifest.source_shards.items() if n not in bad}
+            manifest.complete = False
 
     def _file_matches(self, name: str, record: FileRecord) -> bool:
         path = self.root / name
@@ -106,9 +113,10 @@ class StoreWriter:
         return set(self.manifest.tensors)
 
     def write(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], experts: dict[str, int],
-              piece: int | None, complete: bool) -> WriteTimings:
-        """Encode, write atomically (checksummed on the way; fsync deferred to `sync`), record;
-        mark the part complete when told."""
+              piece: int | None, complete: bool, shards: list[str] | None = None) -> WriteTimings:
+        """Encode, write atomically (checksummed on the way; fsync deferred to `sync`), record (with
+        the source `shards` the tensors came from, which a repair of the file needs); mark the part
+        complete when told."""
         started = time.perf_counter()
         encoded = encode_part(tensors, self.manifest.compression)
         name = part_file(part, piece)
@@ -117,6 +125,8 @@ class StoreWriter:
         with self._manifest_lock:
             self._unsynced.update((path, path.parent))
             self.manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
+            if shards:
+                self.manifest.source_shards[name] = sorted(shards)
             for tensor_name, fields in encoded.records.items():
                 self.manifest.tensors[tensor_name] = TensorRecord(
                     part=part, file=name, expert=experts.get(tensor_name), **fields

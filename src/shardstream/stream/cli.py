@@ -7,24 +7,35 @@ Nothing heavy (torch, transformers) is imported at module level, so `shardstream
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..errors import InvalidOption
+from ..options import compression
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
     from .model import StreamingModel
 
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
-StorePath = Annotated[Optional[str], typer.Option("--store-path", help="Where the store lives when converting.")]
 Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
 HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after "
                                               "their first read, so a token only copies them to the GPU: auto (half the RAM "
                                               "available), 0 (read them every token) or a size like 16GB.")]
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+@dataclass(frozen=True)
+class Converting:
+    """`shardstream convert`'s options, for when generate or serve is given a checkpoint (options.py)."""
+
+    sequential: bool = False
+    compression: str = "none"
+    revision: str | None = None
+    hf_token: str | None = None
 
 
 def check_device(device: str) -> None:
@@ -40,9 +51,10 @@ def check_device(device: str) -> None:
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
-               max_host_memory: str = "auto") -> StreamingModel:
-    """Validate the options first (cheap), then load or convert the model. For batches of more than
-    one sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
+               max_host_memory: str = "auto", converting: Converting | None = None) -> StreamingModel:
+    """Validate the options first (cheap), then load or convert the model (with `converting`'s
+    options, which mean what they mean to `shardstream convert`). For batches of more than one
+    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
@@ -54,7 +66,11 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
         raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
     from .model import AutoModel
 
+    converting = converting or Converting()
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                     sequential_shard_processing=converting.sequential,
+                                     compression=compression(converting.compression),
+                                     token=converting.hf_token, revision=converting.revision,
                                      max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                      piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
                                      max_host_memory=host)

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from .cli import Device, HostMemory, Resident, Source, StorePath, open_model
+from ..options import Compression, HfToken, Revision, Sequential, StorePath
+from .cli import Converting, Device, HostMemory, Resident, Source, open_model
 
 
 def generate_command(
@@ -30,6 +31,10 @@ def generate_command(
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     store_path: StorePath = None,
+    sequential: Sequential = False,
+    compression: Compression = "none",
+    revision: Revision = None,
+    hf_token: HfToken = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
@@ -46,6 +51,7 @@ def generate_command(
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
                     not no_progress, [name for name, value in given.items() if value is not None])
         return
+    converting = Converting(sequential, compression, revision, hf_token)
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:
@@ -58,7 +64,8 @@ def generate_command(
 
         prompts, done = pending(prompts_file, output, batch_size)
         with open_model(source, store_path, max_resident_memory, device, False, not no_progress,
-                        batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory) as model:
+                        batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
+                        converting=converting) as model:
             answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
                 max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
                 seed, not no_progress)
@@ -67,7 +74,7 @@ def generate_command(
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
     _check_utf8(prompt)
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
-                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory)
+                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory, converting)
 
 
 def _check_utf8(prompt: str) -> None:
@@ -83,7 +90,7 @@ def _check_utf8(prompt: str) -> None:
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                 seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
                 max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool,
-                max_host_memory: str) -> None:
+                max_host_memory: str, converting: Converting) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -93,7 +100,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
 
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,
-                                               max_host_memory=max_host_memory))
+                                               max_host_memory=max_host_memory, converting=converting))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

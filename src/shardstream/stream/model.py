@@ -9,6 +9,7 @@ head are used for every token and stay resident, as do the first blocks that fit
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -301,6 +302,8 @@ class StreamingModel:
         """The transformers model inside a StreamingModel draft (its hooks keep streaming it); a draft
         with another vocabulary needs transformers' universal assisted decoding (its own tokenizer)."""
         model = draft.model if isinstance(draft, StreamingModel) else draft
+        if isinstance(draft, StreamingModel) and not hasattr(model.generate, "folds_generation_arguments"):
+            model.generate = _folding_generation_arguments(model.generate)
         if model.config.get_text_config().vocab_size != self.config.get_text_config().vocab_size and not own_tokenizer:
             raise DraftMismatch(
                 f"the draft model's vocabulary ({model.config.get_text_config().vocab_size} tokens) differs from the "
@@ -353,6 +356,22 @@ class StreamingModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _folding_generation_arguments(generate):
+    """transformers' assisted decoding calls the draft's `generate` with a generation config and,
+    beside it, arguments its own `generate` deprecates passing with one (min_new_tokens,
+    max_new_tokens, use_cache: a warning on every `--draft` run); this folds them into a copy of the
+    config first, which is what `generate` does with them anyway."""
+
+    def call(*args, generation_config=None, **kwargs):
+        if generation_config is not None:
+            generation_config = copy.deepcopy(generation_config)
+            kwargs = generation_config.update(**kwargs)   # returns the arguments that are not its fields
+        return generate(*args, generation_config=generation_config, **kwargs)
+
+    call.folds_generation_arguments = True
+    return call
 
 
 class AutoModel:

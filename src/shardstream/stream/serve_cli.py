@@ -17,8 +17,9 @@ import typer
 
 from ..errors import InvalidOption
 from ..listener import tcp_listener
+from ..options import Compression, HfToken, Revision, Sequential, StorePath, model_id
 from ..sizes import parse_size
-from .cli import Device, HostMemory, Source, StorePath, open_model
+from .cli import Converting, Device, HostMemory, Source, open_model
 
 def serve_command(
     source: Source,
@@ -26,7 +27,8 @@ def serve_command(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     model_name: Annotated[Optional[list[str]], typer.Option(
         help="Model id(s) clients send as `model` (repeat, or a comma list); the first is reported by "
-             "/v1/models. Default: the source. Any other id is a 404 model_not_found.")] = None,
+             "/v1/models. Default: the store's folder name (a Hub id as given). Any other id is a 404 "
+             "model_not_found.")] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together (each choice of each "
                                                      "request is one); fewer while the memory left cannot hold "
                                                      "their KV caches: the others wait, and stderr says which "
@@ -46,9 +48,13 @@ def serve_command(
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     store_path: StorePath = None,
+    sequential: Sequential = False,
+    compression: Compression = "none",
+    revision: Revision = None,
+    hf_token: HfToken = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
-    names = [name.strip() for value in (model_name or [source]) for name in value.split(",") if name.strip()]
+    names = [name.strip() for value in (model_name or [model_id(source)]) for name in value.split(",") if name.strip()]
     template = read_template(chat_template)
     max_request_bytes = parse_size(max_request_size, "--max-request-size")
     listener = _bind(host, port)
@@ -61,7 +67,8 @@ def serve_command(
 
     _log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
-                              batch_size=max_batch_size, max_host_memory=max_host_memory) as model:
+                              batch_size=max_batch_size, max_host_memory=max_host_memory,
+                              converting=Converting(sequential, compression, revision, hf_token)) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)

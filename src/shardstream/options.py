@@ -1,0 +1,52 @@
+"""Options that several commands share, declared once so each means the same everywhere.
+
+`convert`, `generate` and `serve` all turn a checkpoint into a store (the latter two when given a
+checkpoint rather than a store), so they take the same conversion options under the same names;
+README.md "Options shared by every command" lists them. `--token` is the pipeline's shared secret
+(`agent`, `coordinator`); the Hub token is `--hf-token` in every command that downloads.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import InvalidOption
+
+COMPRESSIONS = ("none", "4bit", "8bit")
+
+Compression = Annotated[str, typer.Option(
+    help="When converting: store weights as none, 4bit (NF4) or 8bit (blockwise).")]
+Sequential = Annotated[bool, typer.Option(
+    "--sequential", help="When converting: one shard at a time; deletes each source shard after use.")]
+Revision = Annotated[Optional[str], typer.Option(
+    help="When converting from the Hub: the branch, tag or commit.", show_default="the default branch")]
+HfToken = Annotated[Optional[str], typer.Option(
+    "--hf-token", envvar="HF_TOKEN", show_envvar=True,
+    help="When converting from the Hub: a token for private or gated repos.")]
+# convert's Hub token was once spelled --token; that spelling still works there, unlisted
+OldHfToken = Annotated[Optional[str], typer.Option("--token", hidden=True)]
+StorePath = Annotated[Optional[str], typer.Option(
+    "--store-path", help="When converting: the store folder to convert into (default: a folder in "
+                         "~/.cache/shardstream or $SHARDSTREAM_CACHE).")]
+
+
+def compression(text: str) -> str | None:
+    """The --compression value as convert() takes it (None for none)."""
+    value = text.lower()
+    if value not in COMPRESSIONS:
+        raise InvalidOption(f"--compression must be one of 4bit, 8bit or none, not {text!r}.")
+    return None if value == "none" else value
+
+
+def model_id(source: str) -> str:
+    """The name a served model goes by when none is given: its folder's name (`./store2` and
+    `/data/store2` are `store2`), a URL's last segment; a Hub id as it is."""
+    from pathlib import Path
+
+    trimmed = source.rstrip("/")
+    if trimmed.startswith(("http://", "https://")):
+        return trimmed.rsplit("/", 1)[-1]
+    path = Path(trimmed).expanduser()
+    return path.resolve().name if path.exists() or trimmed.startswith((".", "/", "~")) else trimmed

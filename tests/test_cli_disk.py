@@ -1,0 +1,51 @@
+"""`shardstream convert` onto a small disk (a real tmpfs), as a user runs it (issue 29): it stops
+before writing what cannot fit, in one sentence with sizes in MB, and warns in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from test_cli_convert import run_cli
+from test_convert import save_wide_llama
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root and a system that permits it")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_small_disk_is_refused_before_anything_is_written(tmp_path):
+    save_wide_llama(tmp_path / "src")   # about 2.7 MB in 10 shards
+    shards = sorted(p.name for p in (tmp_path / "src").glob("*.safetensors"))
+    with tmpfs(tmp_path / "small", "2m") as small:
+        for attempt in range(2):   # the re-run says the same
+            result = run_cli("convert", "src", str(small / "store"), "--sequential", "--no-progress", cwd=tmp_path)
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and "MB free but converting the 10 shards left needs about" in lines[0], lines
+            assert "0.00 GB" not in lines[0] and "py.warnings" not in lines[0]
+            assert not [p for p in small.rglob("*.safetensors")], "nothing is written that cannot be finished"
+        assert sorted(p.name for p in (tmp_path / "src").glob("*.safetensors")) == shards, "no shard was deleted"
+
+
+def test_low_disk_warning_is_one_line(tmp_path):
+    save_wide_llama(tmp_path / "src")
+    with tmpfs(tmp_path / "small", "8m") as small:
+        result = run_cli("convert", "src", str(small / "store"), "--no-progress", cwd=tmp_path, check=True)
+        assert run_cli("verify", str(small / "store"), cwd=tmp_path).returncode == 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: low disk space in "), lines
+    assert "MB free, about" in lines[0] and "--min-free-space (1.00 GB)" in lines[0]

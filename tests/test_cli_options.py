@@ -1,0 +1,87 @@
+"""One vocabulary of options and names across commands (issue 29), each command run as a user runs
+it: a subprocess, real servers on 127.0.0.1 (a Hub stand-in for the token and the revision)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from http_server import serve_hub
+from test_cli_convert import CLI, run_cli
+from test_stream_server import _free_port
+from tiny_models import char_tokenizer, llama_store_with_tokenizer, save_checkpoint
+
+SECRET = "hub-secret"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("options") / "ckpt"
+    save_checkpoint("llama", folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_serve_names_the_model_after_its_folder(tmp_path):
+    store, _, _ = llama_store_with_tokenizer(tmp_path)
+    store.rename(tmp_path / "store2")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen([*CLI, "serve", "./store2", "--port", str(port), "--no-progress"], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert [m["id"] for m in models.json()["data"]] == ["store2"]
+    assert "(model store2;" in log.read_text()
+
+
+def test_generate_converts_with_converts_options(checkpoint, tmp_path):
+    src = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(checkpoint), str(src)], check=True)
+    result = run_cli("generate", "src", "--store-path", "store", "--sequential", "--compression", "4bit",
+                     "--prompt", "hi", "--max-new-tokens", "2", "--no-progress", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "store" / "manifest.json").read_text())["compression"] == "4bit"
+    assert not list(src.glob("*.safetensors")), "--sequential deletes the shards, as in convert"
+    assert (src / "config.json").exists()
+
+
+def test_the_hub_token_is_hf_token_in_every_command_that_downloads(checkpoint, tmp_path):
+    with serve_hub({"tiny-org/private": checkpoint}, token=SECRET, revision="v2") as (url, _):
+        env = {**os.environ, "HF_ENDPOINT": url.rstrip("/"), "HF_HOME": str(tmp_path / "hf")}
+        env.pop("HF_TOKEN", None)
+
+        def run(*args: str, **extra: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*CLI, *args, "--no-progress"], cwd=tmp_path, env={**env, **extra},
+                                  capture_output=True, text=True, timeout=300)
+
+        refused = run("convert", "tiny-org/private", "a", "--revision", "v2")
+        assert refused.returncode == 1 and "pass a token" in refused.stderr, refused.stderr
+        for args, extra in [
+            (["convert", "tiny-org/private", "b", "--revision", "v2", "--hf-token", SECRET], {}),
+            (["convert", "tiny-org/private", "c", "--revision", "v2", "--token", SECRET], {}),   # the old spelling
+            (["generate", "tiny-org/private", "--store-path", "d", "--revision", "v2", "--prompt", "hi",
+              "--max-new-tokens", "1"], {"HF_TOKEN": SECRET}),
+        ]:
+            done = run(*args, **extra)
+            assert done.returncode == 0, (args, done.stderr)
+    for command in ("convert", "generate", "serve"):
+        shown = run_cli(command, "-h", cwd=tmp_path, check=True).stdout
+        assert "--hf-token" in shown and "HF_TOKEN" in shown and "--token " not in shown, command
+        assert "--revision" in shown and "--compression" in shown and "--sequential" in shown, command
