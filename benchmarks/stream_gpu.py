@@ -1,8 +1,8 @@
 """Streaming to a CUDA GPU that holds none of the blocks between tokens (a model larger than its VRAM),
 against the floors of the bus and the disk and against the peers on the same GPU, as markdown.
 
-Models (`--shape`): `reference`, benchmarks/stream.py's model (`--size`, fp32 Llama, vocab 512), or a
-real shape from scripts/real_shapes.py (`llama-3.2-1b`: bf16, vocab 128256, tied). A 4-bit store of the
+Models: benchmarks/stream.py's reference model (`--size`, fp32 Llama, vocab 512), or with `--shape` a real
+shape from scripts/real_shapes.py (`llama-3.2-1b`: bf16, vocab 128256, tied). A 4-bit store of the
 same checkpoint is made for the `-4bit` settings. Each setting runs in its own process: one untimed
 prefill and two decode steps, then a `--prompt`-token prefill and `--new-tokens` greedy decode steps with
 the KV cache, timed; every setting's first tokens are printed (they must agree, the 4-bit ones among
@@ -49,10 +49,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _measure import markdown_table  # noqa: E402
-from stream import SIZES, with_tokenizer  # noqa: E402
-from stream import build as build_reference  # noqa: E402
+from stream import SHAPES, SIZES, with_tokenizer  # noqa: E402
+from stream import build as build_store  # noqa: E402
 
 MB = 1e6
 MODES = {"stream": "shardstream, host tier (blocks page-locked in host RAM), copies queued by the computing thread",
@@ -74,15 +73,7 @@ def build(args) -> tuple[Path, Path, Path]:
     """Checkpoint, store and 4-bit store under --workdir, made once and reused."""
     from shardstream.convert import convert
 
-    if args.shape == "reference":
-        ckpt, store = build_reference(args)
-    else:
-        from real_shapes import write_checkpoint
-
-        ckpt = write_checkpoint(args.shape, Path(args.workdir) / args.shape / "ckpt")
-        store = ckpt.parent / "store"
-        if not (store / "manifest.json").exists():
-            convert(ckpt, store, progress=False)
+    ckpt, store = build_store(args)
     with_tokenizer(ckpt)   # AirLLM loads one
     store4 = store.parent / "store-4bit"
     if not (store4 / "manifest.json").exists():
@@ -207,7 +198,7 @@ def run_one(mode: str, args) -> dict:
 
     ckpt, store, store4 = build(args)
     config = AutoConfig.from_pretrained(ckpt)
-    dtype = torch.float32 if args.shape == "reference" else torch.bfloat16
+    dtype = torch.bfloat16 if args.shape else torch.float32
     model = open_backend("stream" if mode.startswith("batch") else mode, ckpt, store, store4, dtype)
     if mode.startswith("batch"):
         return run_batch(model, int(mode.split("-")[1]), args, config.vocab_size)
@@ -240,8 +231,8 @@ def run_one(mode: str, args) -> dict:
 
 def child(args, mode: str) -> dict | str:
     python = args.airllm if mode == "airllm" and args.airllm else sys.executable
-    command = [python, __file__, "--run", mode, "--shape", args.shape, "--size", args.size, "--prompt", str(args.prompt),
-               "--new-tokens", str(args.new_tokens), "--workdir", args.workdir]
+    command = [python, __file__, "--run", mode, "--size", args.size, "--prompt", str(args.prompt),
+               "--new-tokens", str(args.new_tokens), "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -253,7 +244,7 @@ def child(args, mode: str) -> dict | str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="reference", help="reference (see --size) or a scripts/real_shapes.py shape")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a real shape (scripts/real_shapes.py); without it, the reference model (--size)")
     parser.add_argument("--size", choices=sorted(SIZES), default="722mb", help="the reference model's size")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -265,6 +256,8 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.hidden, args.layers, args.vocab = SIZES[args.size]
+    if args.shape:
+        args.layers = SHAPES[args.shape]["num_hidden_layers"]
     if args.run:
         print(json.dumps(run_one(args.run, args)))
         return
@@ -279,7 +272,7 @@ def main() -> None:
     stores = {"": store, "4bit": store4}
     nbytes = {k: sum(f.stat().st_size for f in block_files(s)) for k, s in stores.items()}
     largest = max(f.stat().st_size for f in block_files(store))
-    name = args.shape if args.shape != "reference" else f"reference ({args.size})"
+    name = args.shape or f"reference ({args.size})"
     print(f"Command: `python {' '.join(['benchmarks/stream_gpu.py', *sys.argv[1:]])}`; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {torch.cuda.get_device_name(0)}, torch "
           f"{torch.__version__}. Model {name}: {nbytes[''] / MB:.0f} MB of blocks per token, "
