@@ -57,8 +57,9 @@ def test_the_kernel_takes_any_leading_shape_and_strided_rows():
     got = quant_linear.linear(x, weight, None)
     assert got.shape == (2, 5, 24)
     assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5
-    half = quant_linear.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
+    half = quant_linear.linear(x.to(torch.bfloat16), weight, None)   # multiplied in float32, rounded once
     assert half.dtype == torch.bfloat16
+    assert (half.float() - F.linear(x.to(torch.bfloat16), dense.to(torch.bfloat16)).float()).abs().max().item() <= 1e-2
 
 
 AVX2_CHECK = """
@@ -94,7 +95,8 @@ def test_what_the_kernel_cannot_take_is_not_packed():
     four_bit = _packed(16, 64, 64).meta
     assert not quant_linear.packable(None)
     assert quant_linear.packable(quant.quantize(torch.randn(16, 64), "8bit", 64).meta)
-    assert not quant_linear.packable({**four_bit, "dtype": "bfloat16"})
+    assert quant_linear.packable({**four_bit, "dtype": "bfloat16"})
+    assert not quant_linear.packable({**four_bit, "dtype": "float64"})
     assert not quant_linear.packable(quant.quantize(torch.randn(16, 40), "4bit", 64).meta)   # rows not whole 16-value chunks
     assert not quant_linear.packable(quant.quantize(torch.randn(1024), "4bit", 64).meta)
 

@@ -24,6 +24,8 @@ Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
 HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after "
                                               "their first read, so a token only copies them to the GPU: auto (half the RAM "
                                               "available), 0 (read them every token) or a size like 16GB.")]
+ComputeDtype = Annotated[str, typer.Option(help="Dtype the model computes in: auto (the checkpoint's where the device multiplies "
+                                                "it fast, else float32; stderr says which and why), float32, bfloat16 or float16.")]
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -40,7 +42,7 @@ def check_device(device: str) -> None:
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
-               max_host_memory: str = "auto") -> StreamingModel:
+               max_host_memory: str = "auto", compute_dtype: str = "auto") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model. For batches of more than
     one sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
     from .pieces import BATCH_PIECE_BYTES
@@ -52,9 +54,25 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
     if host not in ("auto", 0) and not device.startswith("cuda"):
         raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    _say_compute_dtype(compute_dtype)
     from .model import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                      piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                     max_host_memory=host)
+                                     max_host_memory=host, compute_dtype=compute_dtype)
+
+
+def _say_compute_dtype(option: str) -> None:
+    """Check --compute-dtype before any conversion; its choice (and why) goes to stderr as one line."""
+    import logging
+    import sys
+
+    from .compute_dtype import log, parse_compute_dtype
+
+    parse_compute_dtype(option, "--compute-dtype")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from .cli import Device, HostMemory, Resident, Source, StorePath, open_model
+from .cli import ComputeDtype, Device, HostMemory, Resident, Source, StorePath, open_model
 
 
 def generate_command(
@@ -29,6 +29,7 @@ def generate_command(
     max_resident_memory: Resident = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
+    compute_dtype: ComputeDtype = "auto",
     store_path: StorePath = None,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
@@ -47,18 +48,18 @@ def generate_command(
 
         answer_file(source, prompts_file, output, batch_size, dict(
             max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
-            seed, max_resident_memory, device, store_path, not no_progress, max_host_memory)
+            seed, max_resident_memory, device, store_path, not no_progress, max_host_memory, compute_dtype)
         return
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
-                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory)
+                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory, compute_dtype)
 
 
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                 seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
                 max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool,
-                max_host_memory: str) -> None:
+                max_host_memory: str, compute_dtype: str) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -68,7 +69,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
 
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,
-                                               max_host_memory=max_host_memory))
+                                               max_host_memory=max_host_memory, compute_dtype=compute_dtype))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

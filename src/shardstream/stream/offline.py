@@ -207,7 +207,7 @@ class Answerer:
 
 def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, defaults: dict, seed: int | None,
                 max_resident_memory: str, device: str, store_path: str | None, progress: bool,
-                max_host_memory: str = "auto") -> None:
+                max_host_memory: str = "auto", compute_dtype: str = "auto") -> None:
     """`generate --prompts-file`: validate everything, then open the model and answer what is left.
     Ends with a line of throughput on stderr (a per-block table per batch step would drown it)."""
     from .batching import BatchEngine
@@ -219,7 +219,8 @@ def answer_file(source: str, prompts_file: Path, output: Path, batch_size: int, 
     prompts = read_prompts(prompts_file)
     done = resume(output, prompts)
     with open_model(source, store_path, max_resident_memory, device, False, progress,
-                    batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory) as model:
+                    batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
+                    compute_dtype=compute_dtype) as model:
         tokenizer = load_tokenizer(model)
         lengths = []
         for prompt in prompts:

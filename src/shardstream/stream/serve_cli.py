@@ -17,7 +17,7 @@ import typer
 
 from ..errors import InvalidOption
 from ..listener import tcp_listener
-from .cli import Device, HostMemory, Source, StorePath, open_model
+from .cli import ComputeDtype, Device, HostMemory, Source, StorePath, open_model
 
 def serve_command(
     source: Source,
@@ -41,6 +41,7 @@ def serve_command(
              "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.")] = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
+    compute_dtype: ComputeDtype = "auto",
     store_path: StorePath = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
@@ -56,7 +57,8 @@ def serve_command(
 
     _log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
-                              batch_size=max_batch_size, max_host_memory=max_host_memory) as model:
+                              batch_size=max_batch_size, max_host_memory=max_host_memory,
+                              compute_dtype=compute_dtype) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
