@@ -6,7 +6,9 @@ Nothing heavy (torch, transformers) is imported at module level, so `shardstream
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -63,16 +65,21 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                      max_host_memory=host, compute_dtype=compute_dtype)
 
 
+class _ToStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests call the commands in-process, capturing it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def _say_compute_dtype(option: str) -> None:
     """Check --compute-dtype before any conversion; its choice (and why) goes to stderr as one line."""
-    import logging
-    import sys
-
     from .compute_dtype import log, parse_compute_dtype
 
     parse_compute_dtype(option, "--compute-dtype")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(handler, _ToStderr) for handler in log.handlers):
+        handler = _ToStderr()
         handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
