@@ -68,7 +68,7 @@ def choose(stored: torch.dtype, device: torch.device, flags: frozenset[str]) -> 
         return stored, f"the checkpoint's dtype, {name}: this CPU has {fast[0]}"
     return torch.float32, (f"the checkpoint is {name}, but this CPU lists none of {', '.join(FAST_CPU_FLAGS[stored])} "
                            f"(/proc/cpuinfo), so its {name} products are slow: blocks are read as {name} and "
-                           f"converted piece by piece; compute_dtype={name} keeps {name}")
+                           f"converted piece by piece; compute_dtype (--compute-dtype) {name} keeps {name}")
 
 
 def resolve_compute_dtype(option: str | torch.dtype | None, stored: torch.dtype, device: torch.device) -> torch.dtype:
