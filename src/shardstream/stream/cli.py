@@ -6,9 +6,11 @@ Nothing heavy (torch, transformers) is imported at module level, so `shardstream
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -56,30 +58,29 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
     if host not in ("auto", 0) and not device.startswith("cuda"):
         raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
-    _say_compute_dtype(compute_dtype)
     from .model import AutoModel
 
-    return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                     max_resident_memory=budget, profiling_mode=profile, progress=progress,
-                                     piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                     max_host_memory=host, compute_dtype=compute_dtype)
+    with _compute_dtype_to_stderr(compute_dtype):
+        return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                         max_resident_memory=budget, profiling_mode=profile, progress=progress,
+                                         piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
+                                         max_host_memory=host, compute_dtype=compute_dtype)
 
 
-class _ToStderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (tests call the commands in-process, capturing it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-def _say_compute_dtype(option: str) -> None:
-    """Check --compute-dtype before any conversion; its choice (and why) goes to stderr as one line."""
+@contextlib.contextmanager
+def _compute_dtype_to_stderr(option: str) -> Iterator[None]:
+    """Check --compute-dtype before any conversion; while the model loads, its choice (and why) goes to
+    stderr as one line (the logger is left as it was: tests call the commands in-process)."""
     from .compute_dtype import log, parse_compute_dtype
 
     parse_compute_dtype(option, "--compute-dtype")
-    if not any(isinstance(handler, _ToStderr) for handler in log.handlers):
-        handler = _ToStderr()
-        handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
