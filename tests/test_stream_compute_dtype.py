@@ -191,20 +191,19 @@ def test_a_chunked_prefill_equals_one_pass(stores, family, compute):
 
 
 def test_admission_sizes_the_prefill_chunk_to_the_memory_left():
-    """The chunk is the most tokens (up to 512) whose pass's activations plus the whole KV cache fit; it counts
-    the compute dtype's bytes, so float32 gets smaller chunks than bfloat16 in the same memory."""
+    """The whole prompt in one pass where it fits, else the most tokens (halving) whose pass's activations plus the
+    whole KV cache fit; it counts the compute dtype's bytes, so float32 gets smaller chunks than bfloat16."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
     shape = Shape.of(config, torch.float32)
     kv = kv_peak(shape, 1, 2048, 64)
-    for free in (8 << 30, 400 << 20, 200 << 20, 120 << 20):
+    assert prefill_chunk(shape, 1, 2048, 64, 8 << 30) == 2048
+    for free in (1 << 30, 400 << 20, 200 << 20, 120 << 20):
         chunk = prefill_chunk(shape, 1, 2048, 64, free)
-        assert chunk == 512 or kv + shape.pass_bytes(1, chunk, 2048, 1) <= free or chunk == MIN_PREFILL_CHUNK
-        if chunk < 512:
-            assert kv + shape.pass_bytes(1, chunk * 2, 2048, 1) > free   # the next size up would not fit
-    assert prefill_chunk(shape, 1, 2048, 64, 8 << 30) == 512
+        assert chunk == MIN_PREFILL_CHUNK or kv + shape.pass_bytes(1, chunk, 2048, 1) <= free
+        assert chunk < 2048 and kv + shape.pass_bytes(1, chunk * 2, 2048, 1) > free   # the next size up would not fit
     assert prefill_chunk(shape, 1, 2048, 64, 0) == MIN_PREFILL_CHUNK   # never less: each pass reads the weights
     assert prefill_chunk(shape, 1, 20, 4, 0) == 20
     half = Shape.of(config, torch.bfloat16)
