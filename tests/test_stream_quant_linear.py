@@ -50,6 +50,25 @@ def test_the_kernel_matches_the_dequantized_product_and_a_row_keeps_its_bits_in_
 
 
 @needs_kernel
+@pytest.mark.parametrize("method", ["4bit", "8bit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_weight_multiplies_the_values_dequantization_writes(method, dtype):
+    """Each decoded value is rounded to the checkpoint's dtype, as dequantizing into it rounds (without, float32
+    products differ by ~1e-3); an activation in that dtype gets the dtype's own product, within one rounding."""
+    torch.manual_seed(0)
+    weight = quant.quantize((torch.randn(40, 96) * 0.05).to(dtype), method, 64)
+    assert quant_linear.packable(weight.meta)
+    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(40, 96)
+    assert dense.dtype == dtype
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 96)
+        assert (quant_linear.linear(x, weight, None) - F.linear(x, dense.float())).abs().max().item() <= 1e-5
+        half = quant_linear.linear(x.to(dtype), weight, None)
+        assert half.dtype == dtype
+        assert torch.allclose(half.float(), F.linear(x.to(dtype), dense).float(), rtol=1e-2, atol=1e-3)
+
+
+@needs_kernel
 def test_the_kernel_takes_any_leading_shape_and_strided_rows():
     weight = _packed(24, 64, 64)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(24, 64)
@@ -57,8 +76,9 @@ def test_the_kernel_takes_any_leading_shape_and_strided_rows():
     got = quant_linear.linear(x, weight, None)
     assert got.shape == (2, 5, 24)
     assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5
-    half = quant_linear.linear(x.to(torch.bfloat16), weight, None)   # not float32: dequantized, as before
+    half = quant_linear.linear(x.to(torch.bfloat16), weight, None)   # multiplied in float32, rounded once
     assert half.dtype == torch.bfloat16
+    assert (half.float() - F.linear(x.to(torch.bfloat16), dense.to(torch.bfloat16)).float()).abs().max().item() <= 1e-2
 
 
 AVX2_CHECK = """
@@ -67,13 +87,15 @@ from shardstream import quant
 from shardstream.stream import quant_linear
 assert torch.backends.cpu.get_cpu_capability() == "AVX2" and quant_linear.available()
 torch.manual_seed(0)
-for out_features, in_features, blocksize, method in [(40, 96, 64, "4bit"), (67, 32, 16, "4bit"), (40, 96, 32, "8bit")]:
-    weight = quant.quantize(torch.randn(out_features, in_features) * 0.05, method, blocksize)
+for out_features, in_features, blocksize, method, dtype in [(40, 96, 64, "4bit", torch.float32), (67, 32, 16, "4bit", torch.float32),
+                                                           (40, 96, 32, "8bit", torch.float32), (40, 96, 64, "4bit", torch.bfloat16),
+                                                           (40, 96, 32, "8bit", torch.float16)]:
+    weight = quant.quantize((torch.randn(out_features, in_features) * 0.05).to(dtype), method, blocksize)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
     for rows in (1, 2, 3, 4, 7, 32, 33):
         x = torch.randn(rows, in_features)
         got = quant_linear.linear(x, weight, None)
-        assert (got - F.linear(x, dense)).abs().max().item() <= 1e-5, (out_features, rows)
+        assert (got - F.linear(x, dense.float())).abs().max().item() <= 1e-5, (out_features, rows)
         assert torch.equal(got, torch.cat([quant_linear.linear(x[i:i + 1], weight, None) for i in range(rows)]))
 print("ok")
 """
@@ -94,7 +116,8 @@ def test_what_the_kernel_cannot_take_is_not_packed():
     four_bit = _packed(16, 64, 64).meta
     assert not quant_linear.packable(None)
     assert quant_linear.packable(quant.quantize(torch.randn(16, 64), "8bit", 64).meta)
-    assert not quant_linear.packable({**four_bit, "dtype": "bfloat16"})
+    assert quant_linear.packable({**four_bit, "dtype": "bfloat16"})
+    assert not quant_linear.packable({**four_bit, "dtype": "float64"})
     assert not quant_linear.packable(quant.quantize(torch.randn(16, 40), "4bit", 64).meta)   # rows not whole 16-value chunks
     assert not quant_linear.packable(quant.quantize(torch.randn(1024), "4bit", 64).meta)
 

@@ -141,7 +141,7 @@ def test_real_shapes_exact_against_transformers(built, shape, budget):
         expected = reference(ids).logits
     tokens = reference.generate(ids, max_new_tokens=3, do_sample=False)
     del reference
-    model = StreamingModel(open_store(store), max_resident_memory=budget, dtype=torch.bfloat16)
+    model = StreamingModel(open_store(store), max_resident_memory=budget, compute_dtype=torch.bfloat16)
     assert bool(model._ends.streamed) == (budget == 0)
     got = model(ids).logits
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)

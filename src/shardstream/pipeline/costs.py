@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..store import Store
-from ..stream.model import config_dtype
+from ..stream.meta import config_dtype
 from .planner import Device, LayerCost, ModelCost
 
 

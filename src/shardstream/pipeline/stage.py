@@ -33,7 +33,7 @@ from ..store import Store
 from ..stream.blocks import StreamedBlocks
 from ..stream.experts import ExpertlessLoader, OnDemandExperts
 from ..stream.loader import BlockLoader, LoadedBlock
-from ..stream.model import common_module, config_dtype, build_meta_model
+from ..stream.meta import build_meta_model, common_module, config_dtype
 from ..stream.pieces import whole
 from ..stream.residency import resolve_budget
 from ..stream.weights import Slots, WeightMapper, parameters_on_meta

@@ -6,7 +6,11 @@ Nothing heavy (torch, transformers) is imported at module level, so `shardstream
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,6 +29,8 @@ Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
 HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after "
                                               "their first read, so a token only copies them to the GPU: auto (half the RAM "
                                               "available), 0 (read them every token) or a size like 16GB.")]
+ComputeDtype = Annotated[str, typer.Option(help="Dtype the model computes in: auto (the checkpoint's where the device multiplies "
+                                                "it fast, else float32; stderr says which and why), float32, bfloat16 or float16.")]
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -51,7 +57,8 @@ def check_device(device: str) -> None:
 
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
-               max_host_memory: str = "auto", converting: Converting | None = None) -> StreamingModel:
+               max_host_memory: str = "auto", converting: Converting | None = None,
+               compute_dtype: str = "auto") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
     sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
@@ -67,10 +74,30 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     from .model import AutoModel
 
     converting = converting or Converting()
-    return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                     sequential_shard_processing=converting.sequential,
-                                     compression=compression(converting.compression),
-                                     token=converting.hf_token, revision=converting.revision,
-                                     max_resident_memory=budget, profiling_mode=profile, progress=progress,
-                                     piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                     max_host_memory=host)
+    with _compute_dtype_to_stderr(compute_dtype):
+        return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                         sequential_shard_processing=converting.sequential,
+                                         compression=compression(converting.compression),
+                                         token=converting.hf_token, revision=converting.revision,
+                                         max_resident_memory=budget, profiling_mode=profile, progress=progress,
+                                         piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
+                                         max_host_memory=host, compute_dtype=compute_dtype)
+
+
+@contextlib.contextmanager
+def _compute_dtype_to_stderr(option: str) -> Iterator[None]:
+    """Check --compute-dtype before any conversion; while the model loads, its choice (and why) goes to
+    stderr as one line (the logger is left as it was: tests call the commands in-process)."""
+    from .compute_dtype import log, parse_compute_dtype
+
+    parse_compute_dtype(option, "--compute-dtype")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

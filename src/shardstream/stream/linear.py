@@ -61,6 +61,8 @@ def use_few_rows_linear(model: nn.Module) -> None:
 
 
 def packable_weights(model: nn.Module) -> set[str]:
-    """Parameter names of the float32 FewRowsLinear weights: those a quantized store may hand over packed."""
+    """Parameter names of the FewRowsLinear weights in a dtype quant_linear computes for (float32, or bfloat16
+    and float16 through float32): those a quantized store may hand over packed."""
+    dtypes = {torch.float32, torch.bfloat16, torch.float16}
     return {f"{name}.weight" for name, module in model.named_modules()
-            if isinstance(module, FewRowsLinear) and module.weight.dtype == torch.float32}
+            if isinstance(module, FewRowsLinear) and module.weight.dtype in dtypes}

@@ -188,7 +188,7 @@ class BlockLoader:
                 name = self.mapper.linear_weight(key, linear_weights)
                 if name and key in tensors and key not in shared and packable(tensors[key].quant):
                     meta = tensors[key].quant
-                    saved = quant.dequantized_nbytes(meta) - tensors[key].length - meta["absmax"]["length"]
+                    saved = self.mapper.nbytes(name) - tensors[key].length - meta["absmax"]["length"]
                     packed[key] = (name, saved, meta["method"] in PACKED_WHEN_RESIDENT)
         self.packed_keys = frozenset(packed)
         self._resident_packed = frozenset(key for key, (_, _, resident) in packed.items() if resident)

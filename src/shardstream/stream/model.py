@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..quant import QuantizedTensor
@@ -25,15 +25,18 @@ from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .loader import BlockLoader
-from .linear import packable_weights, use_few_rows_linear
+from .meta import build_meta_model, common_module
+from .linear import packable_weights
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
+from ..serving.admission import Shape, prefill_chunk, room
 from .blocks import StreamedBlocks, fill_block
+from .compute_dtype import parse_compute_dtype
 from .direct import use_direct
 from .ends import Ends
 from .residency import choose_resident, resolve_budget, resolve_host_budget
 from .resolve import ensure_store
-from .weights import Slots, WeightMapper, parameters_on_meta
+from .weights import Slots, WeightMapper
 
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
 # pieces are dequantized by the computing thread, between its products, instead of by the readers beside
@@ -46,28 +49,6 @@ from .weights import Slots, WeightMapper, parameters_on_meta
 COMPUTE_BOUND_ROWS = 4
 
 
-def build_meta_model(store: Store, dtype: torch.dtype | None) -> PreTrainedModel:
-    """transformers' model class for the store's config, with parameters on `meta`."""
-    try:
-        config = AutoConfig.from_pretrained(store.root)
-        with parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype or config_dtype(config))
-    except (ValueError, KeyError) as error:
-        raise UnsupportedModel(
-            f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
-            f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
-        ) from None
-    use_few_rows_linear(model)
-    return model.eval()
-
-
-def config_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
 def _check_files(store: Store) -> None:
     """A deleted part file would otherwise surface only when its block is first needed."""
     for name in store.manifest.files:
@@ -78,13 +59,6 @@ def _check_files(store: Store) -> None:
             )
 
 
-def common_module(names: set[str]) -> str:
-    """The deepest module name that contains every one of these parameter names."""
-    split = [name.split(".")[:-1] for name in names]
-    prefix = os.path.commonprefix(split)
-    return ".".join(prefix)
-
-
 class StreamingModel:
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`)."""
 
@@ -92,13 +66,15 @@ class StreamingModel:
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
-                 profiling_mode: bool = False, verify_checksums: bool = True, dtype: torch.dtype | None = None,
+                 profiling_mode: bool = False, verify_checksums: bool = True,
+                 compute_dtype: str | torch.dtype | None = "auto",
                  experts: str = "with_block", piece_bytes: int | None = None,
                  max_host_memory: int | str | None = "auto"):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
             raise InvalidOption(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}.")
+        parse_compute_dtype(compute_dtype)
         _check_files(store)
         self.store = store
         self.device = torch.device(device)
@@ -106,7 +82,7 @@ class StreamingModel:
             raise InvalidOption("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'.")
         self.profiling_mode = profiling_mode
         self.profile = Profile()
-        self.model = build_meta_model(store, dtype)
+        self.model = build_meta_model(store, compute_dtype, self.device)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
         self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
@@ -293,10 +269,21 @@ class StreamingModel:
         """
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self.check_length(input_ids, new_tokens)
+        if input_ids is not None and kwargs.get("use_cache", True) and "prefill_chunk_size" not in kwargs:
+            chunk = self.prefill_chunk(input_ids.shape[0], input_ids.shape[-1], new_tokens)
+            if chunk < input_ids.shape[-1]:
+                kwargs["prefill_chunk_size"] = chunk
         if kwargs.get("assistant_model") is not None:
             kwargs["assistant_model"] = self._assistant(kwargs["assistant_model"], "assistant_tokenizer" in kwargs)
         with self._profiled():
             return self.model.generate(input_ids=input_ids, **kwargs)
+
+    def prefill_chunk(self, rows: int, length: int, new_tokens: int) -> int:
+        """Tokens per pass of a prefill (transformers' chunked prefill: each chunk a pass over the blocks,
+        its keys and values added to the cache), so that the prefill's activations and the KV cache fit the
+        memory left now, in the compute dtype (admission.prefill_chunk)."""
+        shape = Shape.of(self.config, self.model.dtype)
+        return prefill_chunk(shape, rows, length, new_tokens, room(self.device))
 
     def _assistant(self, draft, own_tokenizer: bool) -> PreTrainedModel:
         """The transformers model inside a StreamingModel draft (its hooks keep streaming it); a draft
@@ -392,6 +379,7 @@ class AutoModel:
         max_resident_memory: int | str | None = "auto",
         verify_checksums: bool = True,
         dtype: torch.dtype | None = None,
+        compute_dtype: str | torch.dtype = "auto",
         experts: str = "with_block",
         token: str | None = None,
         revision: str | None = None,
@@ -422,6 +410,10 @@ class AutoModel:
         `tensor_parallel=True`: this process is one rank of a torchrun group (or of an initialized
         torch.distributed group); it reads and runs only its share of the weights (docs/TENSOR_PARALLEL.md),
         all in memory: the streaming options do not apply.
+        `compute_dtype`: the dtype the model computes in; 'auto' keeps the checkpoint's where the device
+        multiplies it fast, else float32 (the store's bytes are read as stored and converted piece by
+        piece; compute_dtype.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
+        (AirLLM's name) is the same option and wins when given.
         """
         token = hub_token(token, hf_token)
         refuse_training_switches(install_hooks, load_resident)
@@ -433,6 +425,8 @@ class AutoModel:
             return open_tensor_parallel(lambda: ensure_store(
                 pretrained_model_name_or_path, layer_shards_saving_path, compression=compression, token=token,
                 revision=revision, progress=progress), device, dtype)
+        compute_dtype = compute_dtype if dtype is None else dtype
+        parse_compute_dtype(compute_dtype)   # a mistyped option before any conversion
         store = ensure_store(
             pretrained_model_name_or_path, layer_shards_saving_path,
             sequential_shard_processing=sequential_shard_processing, compression=compression,
@@ -442,7 +436,8 @@ class AutoModel:
         model = StreamingModel(
             store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
-            verify_checksums=verify_checksums, dtype=dtype, experts=experts, piece_bytes=piece_bytes,
+            verify_checksums=verify_checksums, compute_dtype=compute_dtype,
+            experts=experts, piece_bytes=piece_bytes,
             max_host_memory=max_host_memory,
         )
         model.max_seq_len = max_seq_len

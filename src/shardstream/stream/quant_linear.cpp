@@ -2,7 +2,9 @@
 //
 // W is N x K, stored flat in bitsandbytes' layout: 4-bit NF4, two codes a byte (the first in the high
 // nibble), or 8-bit, one code a byte; one float32 absmax per `blocksize` values; value = table[code] *
-// absmax, the same float32 product that dequantization writes. Every output y[m][n] is one sum, always
+// absmax, the same float32 product that dequantization writes; for a bfloat16 or float16 weight (`round`
+// 1 or 2) that product rounded to the weight's dtype, to nearest even, as dequantization's cast does, so
+// the values multiplied are the dequantized weight's. Every output y[m][n] is one sum, always
 // in the same order whatever the number of rows: each lane accumulates x[m][k] * W[n][k] over its k
 // with fused multiply-adds, k ascending, then the lanes are added in a fixed tree. So a row gives the
 // same bits alone or in any batch.
@@ -49,6 +51,16 @@ inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
   return _mm512_mul_ps(_mm512_i32gather_ps(index, table.entries, 4), scale);
 }
 
+// The float32 values rounded to bfloat16 (to nearest even: add 0x7FFF plus the kept part's lowest bit, cut
+// the low 16 bits; the decoded values are finite) or to float16 (a round trip through the conversion).
+inline Vec round_bf16(Vec v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline Vec round_fp16(Vec v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -87,6 +99,14 @@ inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
   return _mm256_mul_ps(_mm256_i32gather_ps(table.entries, index, 4), scale);
 }
 
+inline Vec round_bf16(Vec v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline Vec round_fp16(Vec v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -99,7 +119,7 @@ inline float sum(Vec v) {
 }
 #endif
 
-template <int Bits>
+template <int Bits, int Round>
 struct Weight {
   const uint8_t* codes;
   const float* absmax;
@@ -110,8 +130,12 @@ struct Weight {
   inline Vec chunk(int64_t n, int64_t k) const {
     const int64_t flat = n * K + k;
     const Vec scale = broadcast(absmax[flat / blocksize]);
-    if constexpr (Bits == 4) return decode4(codes + flat / 2, table, scale);
-    else return decode8(codes + flat, table, scale);
+    Vec value;
+    if constexpr (Bits == 4) value = decode4(codes + flat / 2, table, scale);
+    else value = decode8(codes + flat, table, scale);
+    if constexpr (Round == 1) return round_bf16(value);
+    else if constexpr (Round == 2) return round_fp16(value);
+    else return value;
   }
 };
 
@@ -186,10 +210,10 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
   });
 }
 
-template <int Bits>
+template <int Bits, int Round>
 void linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax, int64_t N,
             int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
-  const Weight<Bits> w{codes, absmax, K, blocksize, Table(table)};
+  const Weight<Bits, Round> w{codes, absmax, K, blocksize, Table(table)};
   // 7 or 8 rows decoding in registers (a batch of 8's decode step): one tile of 8 x 3 rather than two of
   // 6 x 4, which decode every weight twice (AVX-512, 4-bit, 8 rows: 0.30 against 0.39 ms per 2816 x 1024).
   if constexpr (kLanes == 16) {
@@ -198,12 +222,21 @@ void linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* cod
   by_groups<kColumns, kRows>(x, M, K, xs, w, N, y, ys, buffer_rows);
 }
 
+template <int Bits>
+void rounded(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax, int64_t N,
+             int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows, int64_t round) {
+  if (round == 1) linear<Bits, 1>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  else if (round == 2) linear<Bits, 2>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  else linear<Bits, 0>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+}
+
 }  // namespace
 
-// x: M rows of K floats, `xs` apart; y: M rows of N floats, `ys` apart; `bits`: 4 or 8.
+// x: M rows of K floats, `xs` apart; y: M rows of N floats, `ys` apart; `bits`: 4 or 8; `round`: 0 (a float32
+// weight), 1 (bfloat16) or 2 (float16).
 extern "C" void quant_linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes,
                              const float* absmax, int64_t N, int64_t blocksize, const float* table, float* y,
-                             int64_t ys, int64_t buffer_rows, int64_t bits) {
-  if (bits == 4) linear<4>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
-  else linear<8>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+                             int64_t ys, int64_t buffer_rows, int64_t bits, int64_t round) {
+  if (bits == 4) rounded<4>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows, round);
+  else rounded<8>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows, round);
 }

@@ -51,6 +51,8 @@ SWITCH = "SHARDSTREAM_QUANT_KERNEL"
 # weight: 8-bit, 8 rows 0.97 ms against 1.45; 4-bit, 16 rows 0.64 against 0.67, 64 rows 2.2 against 2.3).
 BUFFER_ROWS = {"4bit": 32, "8bit": 7}
 BITS = {"4bit": 4, "8bit": 8}
+# The kernel rounds each decoded value to the stored tensor's dtype, as dequantization does (quant_linear.cpp).
+ROUND = {"float32": 0, "bfloat16": 1, "float16": 2}
 _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # Methods whose products from the codes beat the dequantized matrix held in memory (the table above), so
 # that a resident block keeps them packed too. 8-bit's gathers take 0.56 ms against 0.23 for 1 row: a
@@ -59,33 +61,35 @@ _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # pass otherwise, stays packed.
 PACKED_WHEN_RESIDENT = {"4bit"}
 # Compiler flags per torch CPU capability: the kernel is built for the widest vectors the CPU has.
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, W, bias)` for the quantized weight W that `weight` holds (`packable(weight.meta)`)."""
+    """`F.linear(x, W, bias)` for the quantized weight W that `weight` holds (`packable(weight.meta)`), in x's
+    dtype: a bfloat16 or float16 x is multiplied in float32 (the products and sums of a float32 model) and
+    the result rounded once, as the dtype's own product rounds its float32 sums."""
     meta = weight.meta
     out_features, in_features = meta["shape"]
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.device.type != "cpu":
         dense = quant.dequantize(weight.data, weight.absmax, meta).view(out_features, in_features)
         return F.linear(x, dense.to(x.dtype), bias)
-    flat = x.reshape(-1, in_features)
+    flat = x.reshape(-1, in_features).float()
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     out = torch.empty(flat.shape[0], out_features)
     _library().quant_linear(flat.data_ptr(), flat.shape[0], in_features, flat.stride(0), weight.data.data_ptr(),
                             weight.absmax.data_ptr(), out_features, meta["blocksize"],
                             _TABLES[meta["method"]].data_ptr(), out.data_ptr(), out.stride(0),
-                            BUFFER_ROWS[meta["method"]], BITS[meta["method"]])
+                            BUFFER_ROWS[meta["method"]], BITS[meta["method"]], ROUND[meta["dtype"]])
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], out_features)
+    return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 def packable(meta: dict | None) -> bool:
-    """Whether a stored tensor can stay packed for `linear`: a float32 4-bit or 8-bit matrix whose rows are
-    whole 16-value chunks, on a machine that runs the kernel."""
-    if not meta or meta.get("method") not in BITS or meta.get("dtype") != "float32" or len(meta.get("shape", ())) != 2:
+    """Whether a stored tensor can stay packed for `linear`: a 4-bit or 8-bit matrix (of a float32, bfloat16 or
+    float16 tensor) whose rows are whole 16-value chunks, on a machine that runs the kernel."""
+    if not meta or meta.get("method") not in BITS or meta.get("dtype") not in ROUND or len(meta.get("shape", ())) != 2:
         return False
     return meta["shape"][1] % 16 == 0 and meta["blocksize"] % 16 == 0 and available()
 
@@ -111,6 +115,6 @@ def _library() -> ctypes.CDLL | None:
     if library is not None:
         i64, pointer = ctypes.c_int64, ctypes.c_void_p
         library.quant_linear.argtypes = [pointer, i64, i64, i64, pointer, pointer, i64, i64, pointer, pointer, i64,
-                                         i64, i64]
+                                         i64, i64, i64]
         library.quant_linear.restype = None
     return library

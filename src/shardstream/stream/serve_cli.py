@@ -19,7 +19,7 @@ from ..errors import InvalidOption
 from ..listener import tcp_listener
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, model_id
 from ..sizes import parse_size
-from .cli import Converting, Device, HostMemory, Source, open_model
+from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
 
 def serve_command(
     source: Source,
@@ -47,6 +47,7 @@ def serve_command(
              "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.")] = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
+    compute_dtype: ComputeDtype = "auto",
     store_path: StorePath = None,
     sequential: Sequential = False,
     compression: Compression = "none",
@@ -68,7 +69,8 @@ def serve_command(
     _log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
                               batch_size=max_batch_size, max_host_memory=max_host_memory,
-                              converting=Converting(sequential, compression, revision, hf_token)) as model:
+                              converting=Converting(sequential, compression, revision, hf_token),
+                              compute_dtype=compute_dtype) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)

@@ -99,6 +99,10 @@ class WeightMapper:
         return {name: t if isinstance(t, QuantizedTensor) else t.to(self._expected[name].dtype)
                 for name, t in out.items() if name in self._expected}
 
+    def nbytes(self, name: str) -> int:
+        """Bytes parameter `name` takes in memory (in the model's dtype, whatever the store's)."""
+        return self._expected[name].nbytes
+
     def linear_weight(self, key: str, linear_weights: set[str]) -> str | None:
         """The one of `linear_weights` that checkpoint key `key` becomes as it is (no converter), if any."""
         renamed, pattern = self._rename(key)

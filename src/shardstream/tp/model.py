@@ -21,7 +21,7 @@ from ..errors import InvalidOption, UnsupportedModel
 from ..serving.text import check_context
 from ..store.reader import Store
 from ..store.sharding import load_index
-from ..stream.model import build_meta_model
+from ..stream.meta import build_meta_model
 from ..stream.weights import Slots, WeightMapper
 from .group import check_same_store, each_machine_once, join_group, leave_group
 from .layout import FUSED_QKV, Heads, Take, is_exported_block, rank_heads, take, tp_roles

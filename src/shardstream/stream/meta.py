@@ -1,0 +1,48 @@
+"""transformers' own model for a store's config, built with its parameters on `meta`: the shell that the
+streamed model, a pipeline stage and a tensor-parallel rank each fill with the weights they hold."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..errors import UnsupportedModel
+from ..store import Store
+from .compute_dtype import resolve_compute_dtype
+from .linear import use_few_rows_linear
+from .weights import parameters_on_meta
+
+
+def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torch.device | None = None) -> PreTrainedModel:
+    """transformers' model class for the store's config, with parameters on `meta`, in `dtype` (None: the
+    checkpoint's); given the `device` it will run on, `dtype` is a compute_dtype option ('auto': the dtype
+    that is fast there, see compute_dtype.py)."""
+    try:
+        config = AutoConfig.from_pretrained(store.root)
+        stored = config_dtype(config)
+        dtype = resolve_compute_dtype(dtype, stored, device) if device is not None else dtype or stored
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError) as error:
+        raise UnsupportedModel(
+            f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
+            f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
+        ) from None
+    use_few_rows_linear(model)
+    return model.eval()
+
+
+def config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def common_module(names: set[str]) -> str:
+    """The deepest module name that contains every one of these parameter names."""
+    split = [name.split(".")[:-1] for name in names]
+    prefix = os.path.commonprefix(split)
+    return ".".join(prefix)
