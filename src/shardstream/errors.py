@@ -84,3 +84,15 @@ class OutputMismatch(ShardstreamError, ValueError):
 
 class TrackerNotFound(ShardstreamError, FileNotFoundError):
     """A command that reads a tracker was pointed at one that does not exist (it is never created then)."""
+
+
+class AgentBusy(ShardstreamError, PermissionError):
+    """A pipeline agent serves another coordinator, which still answers; it is taken only when told to."""
+
+
+class StageGone(ShardstreamError, LookupError):
+    """A pipeline agent no longer holds the stage a message was sent for (restarted, re-planned, taken over)."""
+
+
+class PipelineUnavailable(ShardstreamError, ConnectionError):
+    """The pipeline cannot answer now: its stages are being deployed, or were lost and cannot be re-deployed."""

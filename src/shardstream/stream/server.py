@@ -14,11 +14,11 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from ..openai_api import (HEALTH_PATH, APIError, ChatRequest, CompletionRequest, check_model, install_api_key,
@@ -32,18 +32,20 @@ DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its
 
 
 def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine,
-               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+               aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None,
+               health: Callable[[], Response] | None = None) -> FastAPI:
     """`engine` runs the sequences: a BatchEngine (`serve`) or the pipeline's PipelineEngine; `model`
-    gives the context length (`config.max_position_embeddings`)."""
+    gives the context length (`config.max_position_embeddings`); `health` answers /health where being
+    up is not being ready (the pipeline's coordinator, while it deploys its stages)."""
     served = [model_id, *[alias for alias in aliases if alias != model_id]]
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     app = FastAPI(title="shardstream")
     install_errors(app)
     install_api_key(app, api_key)
 
-    @app.get(HEALTH_PATH)
-    def health() -> dict:
-        return {"status": "ok"}
+    @app.get(HEALTH_PATH, response_model=None)
+    def health_check() -> dict | Response:
+        return health() if health is not None else {"status": "ok"}
 
     @app.get("/v1/models")
     def models() -> dict:
