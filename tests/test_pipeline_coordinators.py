@@ -85,7 +85,7 @@ def coordinators():
                            "--context-length", "64", "--probe-bytes", "0", "--work-dir", str(work),
                            "--serve-port", "0", *extra])
         started.append(running)
-        url = running.wait_for(r"coordinator on (http://127\.0\.0\.1:\d+)").group(1)
+        url = running.wait_for(r"(?:coordinator|serving /v1/completions) on (http://127\.0\.0\.1:\d+)").group(1)
         if wait:
             running.wait_for(r"serving /v1/completions on")
         return running, url
