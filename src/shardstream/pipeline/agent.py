@@ -1,10 +1,10 @@
 """The agent: a FastAPI control plane on each device plus the ZeroMQ data plane of its stage.
 
 Control (bearer token on every endpoint): health, capabilities, profiles (compute, disk reads),
-pings, claiming the agent for a coordinator, loading and unloading a stage; health also counts the expert files an on-demand MoE stage
-has read, the blocks a streamed stage reads from disk and the steps run batched. Data: one thread
-receives activations, runs the loaded stage and pushes the result on; single-token steps of
-several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
+pings, claiming the agent for a coordinator, loading and unloading a stage; health also counts the
+expert files an on-demand MoE stage has read, the blocks a streamed stage reads from disk and the
+steps run batched. Data: one thread receives activations, runs the loaded stage and pushes the
+result on; single-token steps of several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
 (downloaded, verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan
 gave this agent more blocks than its memory holds.
 
@@ -196,8 +196,7 @@ class Agent:
                                 "or start this one with --take-over to take the agent from it.")
             if owner is None or owner.id != request.coordinator:
                 self.owner = Owner(request.coordinator, request.url, time.time())
-            return {"name": self.name, "data_port": self.data_port,
-                    "previous": owner.url if owner and owner.id != request.coordinator else None}
+            return {"name": self.name, "data_port": self.data_port}
 
     def load(self, request: LoadRequest, headers: dict[str, str]) -> dict:
         owner = self.owner
