@@ -145,8 +145,8 @@ def test_an_agent_started_again_gets_its_stage_back(tiny, agents, coordinators, 
     store, expected = tiny
     _, url = coordinators(store, [a.url for a in agents], tmp_path / "work")
     assert _text(url) == expected
-    serving = httpx.get(url + "/health").json()["stages"]
-    victim = next(i for i, a in enumerate(agents) if a.name == serving[0])
+    victim = next(i for i, a in enumerate(agents)   # an agent that holds a stage
+                  if httpx.get(a.url + "/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["stage_id"])
     agents[victim] = _start_again(agents[victim], tmp_path)
     assert _text(url) == expected
     assert httpx.get(url + "/health").json()["epoch"] == 1
