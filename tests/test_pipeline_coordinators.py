@@ -141,25 +141,30 @@ def test_a_second_coordinator_is_refused_unless_it_takes_over(tiny, agents, coor
 
 def test_an_agent_started_again_gets_its_stage_back(tiny, agents, coordinators, tmp_path):
     """Issue 29 (4): an agent SIGKILLed between requests and started again at the same address holds
-    no stage; the coordinator's next request re-deploys instead of failing."""
+    no stage; the coordinator's next request re-deploys instead of failing. Started again on another
+    data port, its steps go nowhere: the coordinator's check of the route finds it stage-less."""
     store, expected = tiny
     _, url = coordinators(store, [a.url for a in agents], tmp_path / "work")
     assert _text(url) == expected
     victim = next(i for i, a in enumerate(agents)   # an agent that holds a stage
                   if httpx.get(a.url + "/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["stage_id"])
-    agents[victim] = _start_again(agents[victim], tmp_path)
+    agents[victim] = _start_again(agents[victim], tmp_path, "same")
     assert _text(url) == expected
     assert httpx.get(url + "/health").json()["epoch"] == 1
+    agents[victim] = _start_again(agents[victim], tmp_path, "other")
+    assert _text(url) == expected
+    assert httpx.get(url + "/health").json()["epoch"] == 2
 
 
-def _start_again(agent: LocalAgent, folder: Path) -> LocalAgent:
-    """SIGKILL the agent and start it again on the same ports (its data port as well, so that old
-    code's steps reach it and are answered at once)."""
+def _start_again(agent: LocalAgent, folder: Path, data_port: str) -> LocalAgent:
+    """SIGKILL the agent and start it again on the same HTTP port and the "same" data port (so that
+    old code's steps reach it and are answered at once) or an "other" one."""
     ports = json.loads((agent.log.parent / f"{agent.name}.ready.json").read_text())
     agent.kill()
-    ready = folder / f"{agent.name}.again.json"
+    ready = folder / f"{agent.name}.{data_port}.json"
     process = subprocess.Popen([*CLI, "agent", "--name", agent.name, "--token", TOKEN, "--port", str(ports["port"]),
-                                "--data-port", str(ports["data_port"]), "--ready-file", str(ready),
+                                "--data-port", str(ports["data_port"]) if data_port == "same" else "0",
+                                "--ready-file", str(ready),
                                 "--cache-dir", str(folder / agent.name)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
