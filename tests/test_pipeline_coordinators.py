@@ -146,8 +146,9 @@ def test_an_agent_started_again_gets_its_stage_back(tiny, agents, coordinators, 
     store, expected = tiny
     _, url = coordinators(store, [a.url for a in agents], tmp_path / "work")
     assert _text(url) == expected
-    victim = next(i for i, a in enumerate(agents)   # an agent that holds a stage
-                  if httpx.get(a.url + "/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["stage_id"])
+    states = [httpx.get(a.url + "/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}).json() for a in agents]
+    victim = next(i for i, state in enumerate(states)   # an agent that holds a stage for this coordinator
+                  if state["stage_id"] and state.get("coordinator", url) == url)
     agents[victim] = _start_again(agents[victim], tmp_path, "same")
     assert _text(url) == expected
     assert httpx.get(url + "/health").json()["epoch"] == 1
