@@ -185,8 +185,9 @@ class Agent:
         return loaded.model
 
     def claim(self, request: ClaimRequest) -> dict:
-        """Serve the claiming coordinator from now on, unless another one serves here and still
-        answers at its address (a coordinator started again at the same address replaces itself)."""
+        """Serve the claiming coordinator from now on (dropping the stage loaded for another), unless
+        another one serves here and still answers at its address (a coordinator started again at the
+        same address replaces itself)."""
         with self._claim_lock:
             owner = self.owner
             if owner is not None and owner.id != request.coordinator and owner.url != request.url \
@@ -196,6 +197,8 @@ class Agent:
                                 "or start this one with --take-over to take the agent from it.")
             if owner is None or owner.id != request.coordinator:
                 self.owner = Owner(request.coordinator, request.url, time.time())
+                with self._lock:   # the stage of the coordinator served before is of no use now: free its memory
+                    self._drop()   # before the new one profiles what is available
             return {"name": self.name, "data_port": self.data_port}
 
     def load(self, request: LoadRequest, headers: dict[str, str]) -> dict:
