@@ -92,3 +92,15 @@ class TrackerNotFound(ShardstreamError, FileNotFoundError):
 
 class RankMismatch(ShardstreamError, ValueError):
     """Tensor-parallel ranks that did not open the same model (another store, other TP slices)."""
+
+
+class AgentBusy(ShardstreamError, PermissionError):
+    """A pipeline agent serves another coordinator, which still answers; it is taken only when told to."""
+
+
+class StageGone(ShardstreamError, LookupError):
+    """A pipeline agent no longer holds the stage a message was sent for (restarted, re-planned, taken over)."""
+
+
+class PipelineUnavailable(ShardstreamError, ConnectionError):
+    """The pipeline cannot answer now: its stages are being deployed, or were lost and cannot be re-deployed."""

@@ -1,12 +1,16 @@
 """The agent: a FastAPI control plane on each device plus the ZeroMQ data plane of its stage.
 
 Control (bearer token on every endpoint): health, capabilities, profiles (compute, disk reads),
-pings, loading and unloading a stage; health also counts the expert files an on-demand MoE stage
-has read, the blocks a streamed stage reads from disk and the steps run batched. Data: one thread
-receives activations, runs the loaded stage and pushes the result on; single-token steps of
-several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
+pings, claiming the agent for a coordinator, loading and unloading a stage; health also counts the
+expert files an on-demand MoE stage has read, the blocks a streamed stage reads from disk and the
+steps run batched. Data: one thread receives activations, runs the loaded stage and pushes the
+result on; single-token steps of several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
 (downloaded, verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan
 gave this agent more blocks than its memory holds.
+
+An agent serves one coordinator at a time: the one that claimed it last. Another coordinator is
+refused while that one still answers at its address, unless it asks to take the agent over; the
+data plane then answers the old coordinator's steps with `StageGone`, so it re-deploys or says why not.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from ..errors import InvalidOption, ShardstreamError
+from ..errors import AgentBusy, ShardstreamError, StageGone
 from ..store import open_store
 from . import measure
 from .download import fetch_stage, remove_stage
@@ -36,7 +40,17 @@ from .stage import StageModel
 from .transport import Answer, Inbox, Outbox, serve_stage
 
 
+OWNER_TIMEOUT = 2.0   # seconds the coordinator an agent serves has to answer before another may claim it
+
+
+class ClaimRequest(BaseModel):
+    coordinator: str = Field(min_length=1, max_length=64)   # the claiming coordinator's id
+    url: str   # where it answers /health, as this agent reaches it
+    take_over: bool = False
+
+
 class LoadRequest(BaseModel):
+    coordinator: str   # the id of the coordinator that claimed this agent
     url: str
     stage_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     epoch: int = Field(ge=0)
@@ -67,8 +81,18 @@ class PingRequest(BaseModel):
 
 
 @dataclass
+class Owner:
+    """The coordinator this agent serves."""
+
+    id: str
+    url: str
+    since: float
+
+
+@dataclass
 class Loaded:
     stage_id: str
+    coordinator: str
     epoch: int
     first: int
     last: int
@@ -81,6 +105,8 @@ class Agent:
     def __init__(self, name: str, token: str, cache: Path, data_port: int, max_memory: int | None = None):
         self.name, self.token, self.cache, self.max_memory = name, token, Path(cache), max_memory
         self.loaded: Loaded | None = None
+        self.owner: Owner | None = None
+        self._claim_lock = threading.Lock()
         self.batched_steps = 0   # steps that shared a pass with other sessions' (health reports it)
         self._lock = threading.Lock()
         self._context = zmq.Context()
@@ -147,17 +173,39 @@ class Agent:
         return header, output, time.perf_counter() - started
 
     def _model(self, messages: list[tuple[dict, torch.Tensor]]) -> StageModel:
-        """The materialized stage, if every message is on its plan epoch."""
-        loaded = self.loaded
-        if loaded is None or loaded.model is None:
-            raise InvalidOption("it has no materialized stage; load one with metadata_only false")
+        """The materialized stage, if every message is for its coordinator and plan epoch."""
+        loaded, owner = self.loaded, self.owner
         for header, _ in messages:
+            if owner is not None and header.get("coordinator") != owner.id:
+                raise StageGone(f"it now serves the coordinator at {owner.url}; its stages here are gone")
+            if loaded is None or loaded.model is None or header.get("coordinator") != loaded.coordinator:
+                raise StageGone("it holds no stage for this coordinator (it was restarted or unloaded); re-deploy")
             if header["epoch"] != loaded.epoch:
-                raise InvalidOption(f"it runs plan epoch {loaded.epoch}, not {header['epoch']}; "
-                                    "re-send on the current plan")
+                raise StageGone(f"it runs plan epoch {loaded.epoch}, not {header['epoch']}; re-send on the current plan")
         return loaded.model
 
+    def claim(self, request: ClaimRequest) -> dict:
+        """Serve the claiming coordinator from now on (dropping the stage loaded for another), unless
+        another one serves here and still answers at its address (a coordinator started again at the
+        same address replaces itself)."""
+        with self._claim_lock:
+            owner = self.owner
+            if owner is not None and owner.id != request.coordinator and owner.url != request.url \
+                    and not request.take_over and _answers(owner.url):
+                raise AgentBusy(f"it serves the coordinator at {owner.url} (since "
+                                f"{time.strftime('%H:%M:%S', time.localtime(owner.since))}); stop that coordinator, "
+                                "or start this one with --take-over to take the agent from it.")
+            if owner is None or owner.id != request.coordinator:
+                self.owner = Owner(request.coordinator, request.url, time.time())
+                with self._lock:   # the stage of the coordinator served before is of no use now: free its memory
+                    self._drop()   # before the new one profiles what is available
+            return {"name": self.name, "data_port": self.data_port}
+
     def load(self, request: LoadRequest, headers: dict[str, str]) -> dict:
+        owner = self.owner
+        if owner is None or owner.id != request.coordinator:
+            raise AgentBusy(f"it serves the coordinator at {owner.url}; claim it first (POST /v1/claim)." if owner
+                            else "it serves no coordinator yet; claim it first (POST /v1/claim).")
         with httpx.Client(headers=headers, timeout=60.0) as client:
             folder, downloaded = fetch_stage(request.url, request.stage_id, self.cache, client)
         stage = _stage_range(folder)
@@ -165,7 +213,7 @@ class Agent:
             self._drop()
             model = None if request.metadata_only else StageModel(open_store(folder), *stage,
                                                                   stream_budget=request.stream_budget_bytes)
-            self.loaded = Loaded(request.stage_id, request.epoch, *stage, model)
+            self.loaded = Loaded(request.stage_id, request.coordinator, request.epoch, *stage, model)
         return {"stage_id": request.stage_id, "downloaded_bytes": downloaded, "first": stage[0], "last": stage[1],
                 "materialized": model is not None, "data_port": self.data_port,
                 "streamed_blocks": model.streamed_blocks if model else []}
@@ -188,6 +236,15 @@ class Agent:
         self._running = False
         self._thread.join()
         self._context.term()
+
+
+def _answers(url: str) -> bool:
+    """Whether a coordinator still answers at `url` (any HTTP status: it may still be deploying)."""
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=OWNER_TIMEOUT)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 def _stage_range(folder: Path) -> tuple[int, int]:
@@ -216,13 +273,15 @@ def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
 
     @app.exception_handler(ShardstreamError)
     async def _user_error(request: Request, error: ShardstreamError) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"detail": f"agent {agent.name}: {error}"})
+        status = 409 if isinstance(error, AgentBusy) else 400
+        return JSONResponse(status_code=status, content={"detail": f"agent {agent.name}: {error}"})
 
     @app.get("/v1/health")
     def health() -> dict:
-        loaded = agent.loaded
+        loaded, owner = agent.loaded, agent.owner
         experts = loaded.model.experts if loaded and loaded.model else None
-        return {"name": agent.name, "ok": True, "stage_id": loaded.stage_id if loaded else None,
+        return {"name": agent.name, "ok": True, "coordinator": owner.url if owner else None,
+                "stage_id": loaded.stage_id if loaded else None,
                 "epoch": loaded.epoch if loaded else None, "expert_loads": experts.loads if experts else None,
                 "streamed_blocks": loaded.model.streamed_blocks if loaded and loaded.model else None,
                 "batched_steps": agent.batched_steps}
@@ -255,6 +314,10 @@ def create_agent_app(agent: Agent, log_requests: bool = False) -> FastAPI:
     def net_blob(size: int = Query(..., ge=1, le=measure.PROBE_LIMIT)) -> Response:
         """`size` bytes for a peer's bandwidth probe (random, so no link compression flatters it)."""
         return Response(os.urandom(size), media_type="application/octet-stream")
+
+    @app.post("/v1/claim")
+    def claim(request: ClaimRequest) -> dict:
+        return agent.claim(request)
 
     @app.post("/v1/stage/load")
     def stage_load(request: LoadRequest) -> dict:

@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Annotated, Optional
+from urllib.parse import urlsplit
 
 import typer
 
@@ -28,8 +30,14 @@ def agent_command(
     threads: Annotated[Optional[int], typer.Option(help="torch threads for this agent's stage (default: torch's, one per core); "
                                                        "agents sharing a host should split its cores.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No line per request (the start and stop lines stay).")] = False,
-    max_memory: Annotated[Optional[str], typer.Option(help="Memory this agent may use at most, e.g. 700MiB or 2GB "
-                                                           "(it also keeps within its cgroup's limit and the host's free RAM).")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(help="Memory this agent process may use in all, e.g. 700MiB or 2GB, as "
+                                                           "if in a container that size: it offers the coordinator this less "
+                                                           "what the process holds already (Python, torch), or less where its "
+                                                           "cgroup or the host's free RAM has less; the plan takes "
+                                                           "--mem-fraction of the offer. Planned for, not enforced.")] = None,
+    join: Annotated[Optional[str], typer.Option(help="Join the running coordinator at this URL (its --serve-port), "
+                                                     "e.g. http://pc.local:8090: it re-plans with this agent (taking it "
+                                                     "from any other coordinator) and prints the new plan.")] = None,
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
     import signal
@@ -41,6 +49,7 @@ def agent_command(
     from ..listener import tcp_listener
     from ..sizes import parse_size
     from .agent import Agent, create_agent_app
+    from .discovery import advertise_host
     from .local import follow_parent
 
     follow_parent()
@@ -64,6 +73,8 @@ def agent_command(
         agent = Agent(name, token, cache_dir, data_port, limit)
     except zmq.ZMQError as error:
         raise InvalidOption(f"the agent cannot bind its data port {data_port} ({error}); pick another --data-port.") from None
+    if limit is not None:
+        _warn_on_max_memory(max_memory, limit)
     announcer = None
     try:
         if advertise:
@@ -75,7 +86,15 @@ def agent_command(
         typer.echo(f"agent {name} listening on http://{host}:{port} (data port {agent.data_port})")
         for stop_signal in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal it stopped for:
             signal.signal(stop_signal, _exit_quietly)          # exit through `finally`, not by the signal
-        uvicorn.Server(uvicorn.Config(create_agent_app(agent, not quiet), log_level="warning")).run(sockets=[listener])
+        server = uvicorn.Server(uvicorn.Config(create_agent_app(agent, not quiet), log_level="warning"))
+        refused: list[Exception] = []
+        if join:
+            own = host if host not in ("0.0.0.0", "::", "") else advertise_host(urlsplit(join).hostname or "127.0.0.1")
+            threading.Thread(target=_join, args=(server, join, f"http://{own}:{port}", token, name, refused),
+                             name="join", daemon=True).start()
+        server.run(sockets=[listener])
+        if refused:
+            raise refused[0]
     finally:
         agent.close()
         typer.echo(f"agent {name} stopped")
@@ -83,8 +102,57 @@ def agent_command(
             announcer.close()
 
 
+def _warn_on_max_memory(given: str, limit: int) -> None:
+    """--max-memory bounds the whole process: one below what it holds already leaves nothing to plan with."""
+    import psutil
+
+    from .planner import format_bytes
+
+    held = psutil.Process().memory_info().rss
+    if held >= limit:
+        typer.echo(f"warning: --max-memory {given} is less than the {format_bytes(held)} this agent holds already "
+                   "(Python, torch); it offers the coordinator no memory.", err=True)
+
+
 def _exit_quietly(signum: int, frame) -> None:
     raise SystemExit(0)
+
+
+def _join(server, coordinator: str, own_url: str, token: str, name: str, refused: list[Exception]) -> None:
+    """Once the agent listens, ask the coordinator to take it in; print the new plan, or stop the
+    agent with the coordinator's reason (kept in `refused`)."""
+    import time
+
+    import httpx
+
+    from ..errors import SourceUnreachable
+    from .server import JOIN_TIMEOUT
+
+    while not server.started:
+        time.sleep(0.05)
+    url = coordinator.rstrip("/") + "/v1/agents/join"
+    try:
+        response = httpx.post(url, json={"url": own_url}, headers={"Authorization": f"Bearer {token}"},
+                              timeout=JOIN_TIMEOUT)
+    except httpx.HTTPError as error:
+        refused.append(SourceUnreachable(f"the coordinator at {coordinator} could not be reached ({error}); check "
+                                         "--join (its --serve-port) and that it runs."))
+    else:
+        if response.status_code == 200:
+            typer.echo(f"agent {name} joined the coordinator at {coordinator} (plan epoch {response.json()['epoch']}):\n"
+                       f"{response.json()['table']}")
+            return
+        refused.append(InvalidOption(f"the coordinator at {coordinator} refused to take agent {name} in "
+                                     f"(HTTP {response.status_code}): {_message(response)}"))
+    server.should_exit = True
+
+
+def _message(response) -> str:
+    """The sentence in an OpenAI-shaped error (or the body as it is)."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
 
 
 def coordinator_command(
@@ -125,6 +193,9 @@ def coordinator_command(
     chat_template: Annotated[Optional[Path], typer.Option(
         help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "
              "refused).")] = None,
+    take_over: Annotated[bool, typer.Option("--take-over", help="Take the agents from the coordinator they serve "
+                                            "(that one then answers 503 until they are free again); without it an "
+                                            "agent serving another live coordinator is refused.")] = False,
 ) -> None:
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
@@ -132,7 +203,8 @@ def coordinator_command(
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient
-    from .coordinator import Coordinator, CoordinatorOptions, advertise_host
+    from .coordinator import Coordinator, CoordinatorOptions
+    from .discovery import advertise_host
     from .discovery import discover as find
     from .generation import PipelineModel
     from .server import BackgroundServer, coordinator_app
@@ -150,9 +222,9 @@ def coordinator_command(
                                  streaming=not no_streaming)
     coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
     try:
-        coordinator.profile()
         serving = serve_port is not None
         if not (package or generate or serving):
+            coordinator.profile()
             typer.echo(coordinator.save_plan(list(coordinator.agents)).table())
             return
         pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
@@ -160,10 +232,20 @@ def coordinator_command(
         names = [n.strip() for value in (model_name or [str(model)]) for n in value.split(",") if n.strip()]
         app = coordinator_app(pipeline, tokenizer, names[0], work_dir / "stages", token, api_key=api_key,
                               aliases=tuple(names[1:]), chat_template=read_template(chat_template))
-        server = BackgroundServer(app, host, serve_port or 0)
+        try:   # listening first: a port in use is said at once, and /health says "deploying" meanwhile
+            server = BackgroundServer(app, host, serve_port or 0)
+        except BaseException:
+            pipeline.close()
+            raise
         try:
             coordinator.stage_url = f"http://{pipeline.reply_host}:{server.port}/stages/"
-            typer.echo(coordinator.deploy().plan.table())
+            if serving:
+                typer.echo(f"coordinator on http://{host}:{server.port}: profiling the agents and deploying the "
+                           "stages (/health says \"deploying\" until they are loaded)")
+            coordinator.claim(take_over)
+            coordinator.on_deploy = _print_plan
+            coordinator.profile()
+            coordinator.deploy()
             if generate:
                 inputs = encode(tokenizer, generate)
                 sampling = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
@@ -180,6 +262,14 @@ def coordinator_command(
             pipeline.close()
     finally:
         coordinator.close()
+
+
+def _print_plan(route) -> None:
+    """Every new plan as the coordinator deploys it: the first, and each re-plan (an agent lost,
+    re-admitted or joined, or stages re-deployed)."""
+    if route.epoch:
+        typer.echo(f"re-planned (plan epoch {route.epoch}):")
+    typer.echo(route.plan.table())
 
 
 def _warn_on_context_length(root: Path, context_length: int) -> None:

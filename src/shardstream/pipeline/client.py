@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..errors import AuthenticationFailed, ShardstreamError, SourceUnreachable
+from ..errors import AgentBusy, AuthenticationFailed, ShardstreamError, SourceUnreachable
 
 
 class AgentClient:
@@ -41,6 +41,8 @@ class AgentClient:
                 "or leave it out of --urls.") from None
         if response.status_code == 401:
             raise AuthenticationFailed(f"{who} refused the token (HTTP 401); pass the --token the agent was started with.")
+        if response.status_code == 409:   # it serves another coordinator: its own sentence says which and what to do
+            raise AgentBusy(_detail(response))
         if response.status_code != 200:
             raise ShardstreamError(f"{who} answered {method} {path} with HTTP {response.status_code}: {_detail(response)}")
         return response.json()

@@ -1,14 +1,17 @@
 """The coordinator: profile the agents, plan, package and deploy stages, and re-plan when one is lost.
 
 Each deployment is a plan epoch; messages of an older epoch are refused by the agents, so a stage
-of a replaced plan can never mix its KV cache into a new one.
+of a replaced plan can never mix its KV cache into a new one. Every deployment first claims its
+agents (agent.py): an agent serving another coordinator that still answers is left out of the plan
+(or, at start, refused with its sentence) unless this one was told to take it over.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +19,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoConfig
 
-from ..errors import InvalidOption, PlanInfeasible, ShardstreamError, SourceUnreachable
+from ..errors import AgentBusy, InvalidOption, PipelineUnavailable, PlanInfeasible, ShardstreamError, SourceUnreachable
 from ..store import Store
 from .client import AgentClient
 from .costs import activation_bytes, device_from_profile, model_cost
@@ -55,12 +58,13 @@ class Profile:
 
 @dataclass
 class Route:
-    """A deployed plan: the epoch, and for each stage its agent and data endpoint, in order."""
+    """A deployed plan: the epoch, and for each stage its agent, data endpoint and stage id, in order."""
 
     epoch: int
     plan: Plan
     agents: list[AgentClient]
     endpoints: list[str]
+    stage_ids: list[str]
 
 
 class Coordinator:
@@ -87,6 +91,51 @@ class Coordinator:
         self.lost: dict[str, tuple[AgentClient, float]] = {}   # name -> (client, when to try it again)
         self.route: Route | None = None
         self.stage_url = ""  # set once the stage server listens
+        self.id = uuid.uuid4().hex   # how agents tell this coordinator from another
+        self.deploying = False
+        self.problem: str | None = None   # why the last deployment failed, until one succeeds
+        self.on_deploy: Callable[[Route], None] | None = None   # told of every new plan (the CLI prints it)
+
+    @property
+    def url(self) -> str:
+        """Where agents reach this coordinator (its stage server): they ask it /health to learn whether it lives."""
+        return self.stage_url.removesuffix("/").removesuffix("/stages")
+
+    # -- claiming agents ---------------------------------------------------------------------
+
+    def claim(self, take_over: bool = False) -> None:
+        """Make every agent serve this coordinator; an agent serving another live one refuses
+        (AgentBusy, its sentence names that coordinator) unless `take_over`."""
+        for agent in self.agents.values():
+            self._claim_one(agent, take_over)
+
+    def _claim_one(self, agent: AgentClient, take_over: bool = False) -> None:
+        if not self.stage_url:
+            raise AssertionError("the stage server must listen before claiming agents")
+        answer = agent.post("/v1/claim", {"coordinator": self.id, "url": self.url, "take_over": take_over}, timeout=10)
+        if agent.name in self.profiles:   # an agent started again may listen for data on another port
+            self.profiles[agent.name].data_port = answer["data_port"]
+
+    def _claimed(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """Those of `names` that serve this coordinator now, and the refusals of those that serve
+        another (left out of this plan, asked again at the next deployment); one that does not answer
+        is set aside as lost."""
+        claimed, refusals = [], []
+        for name in names:
+            try:
+                self._claim_one(self.agents[name])
+                claimed.append(name)
+            except AgentBusy as error:
+                refusals.append(str(error))
+            except SourceUnreachable:
+                log.warning("agent %s does not answer; planning without it", name)
+                self._set_aside(name, self.agents.pop(name))
+        if refusals:
+            log.warning("%s (left out of this plan)", "; ".join(refusals))
+        if not claimed:
+            raise PipelineUnavailable("; ".join(refusals) if refusals else "no agent of this pipeline answers; "
+                                      "start them again (they are taken back at the next request).")
+        return claimed, refusals
 
     # -- measuring and planning --------------------------------------------------------------
 
@@ -140,17 +189,36 @@ class Coordinator:
     # -- deploying ---------------------------------------------------------------------------
 
     def deploy(self, names: list[str] | None = None) -> Route:
-        """Plan on these agents (default: all), package the stages and have each agent load its own."""
-        if not self.stage_url:
-            raise AssertionError("the stage server must listen before deploying")
-        chosen = self.save_plan(names or list(self.agents))
+        """Claim these agents (default: all), plan on those that serve this coordinator, package the
+        stages and have each agent load its own; `problem` keeps why it failed, until one succeeds."""
+        self.deploying = True
+        try:
+            route = self._deploy(names or list(self.agents))
+        except Exception as error:
+            self.problem = str(error)
+            raise
+        finally:
+            self.deploying = False
+        self.problem = None
+        return route
+
+    def _deploy(self, names: list[str]) -> Route:
+        claimed, refusals = self._claimed(names)
+        try:
+            chosen = self.save_plan(claimed)
+        except PlanInfeasible as error:
+            if claimed == names:
+                raise
+            why = "; ".join(refusals) or f"agent(s) {', '.join(n for n in names if n not in claimed)} do not answer"
+            raise PipelineUnavailable(f"{why}; the agents left ({', '.join(claimed)}) cannot hold the model: "
+                                      f"{error}") from None
         epoch = self.route.epoch + 1 if self.route else 0
         packages = package_plan(self.store, chosen, self.options.work_dir / "stages")
         agents = [self.agents[s.device] for s in chosen.stages]
 
         def load(pair) -> SourceUnreachable | None:
             agent, package, stage = pair
-            body = {"url": f"{self.stage_url}{package.stage_id}/", "stage_id": package.stage_id,
+            body = {"coordinator": self.id, "url": f"{self.stage_url}{package.stage_id}/", "stage_id": package.stage_id,
                     "epoch": epoch, "metadata_only": False,
                     "stream_budget_bytes": stage.stream_budget_bytes if stage.streamed_bytes_per_token else None}
             try:
@@ -171,7 +239,9 @@ class Coordinator:
             if error is not None:
                 raise error
         endpoints = [f"tcp://{a.host}:{self.profiles[a.name].data_port}" for a in agents]
-        self.route = Route(epoch, chosen, agents, endpoints)
+        self.route = Route(epoch, chosen, agents, endpoints, [p.stage_id for p in packages])
+        if self.on_deploy is not None:
+            self.on_deploy(self.route)
         return self.route
 
     def recover(self, lost: str) -> Route:
@@ -181,7 +251,8 @@ class Coordinator:
         if lost in self.agents:
             self._set_aside(lost, self.agents.pop(lost))
         if not self.agents:
-            raise PlanInfeasible(f"agent {lost} was lost and no agents are left; start agents and retry.")
+            self.problem = f"agent {lost} was lost and no agents are left; start agents and retry."
+            raise PlanInfeasible(self.problem)
         try:
             return self.deploy(list(self.agents))
         except PlanInfeasible as error:
@@ -210,8 +281,29 @@ class Coordinator:
         except (ShardstreamError, httpx.HTTPError) as error:   # gone again: back to the plan without them
             log.warning("re-admitting %s failed (%s); keeping the plan without them", ", ".join(back), error)
             for name in back:
-                self._set_aside(name, self.agents.pop(name))
+                if name in self.agents:   # (a deployment sets aside one that stopped answering itself)
+                    self._set_aside(name, self.agents.pop(name))
             return self.deploy(list(self.agents))
+
+    def join(self, agent: AgentClient) -> Route:
+        """Take in an agent that asked to join (`agent --join`: it wants to serve this coordinator, so
+        it is taken over from any other), profile it and deploy a new plan over every agent. One of the
+        same name at the same address (started again) replaces the old; another address is refused."""
+        agent.name = agent.get("/v1/capabilities", timeout=10)["name"]
+        known = self.agents.get(agent.name) or self.lost.get(agent.name, (None, 0.0))[0]
+        if known is not None and known.url != agent.url:
+            raise InvalidOption(f"an agent named {agent.name!r} is in this pipeline already ({known.url}); start the "
+                                f"one at {agent.url} with another --name.")
+        self._claim_one(agent, take_over=True)
+        self.lost.pop(agent.name, None)
+        self.agents[agent.name] = agent
+        log.warning("agent %s at %s joins; re-planning with it", agent.name, agent.url)
+        try:
+            self.profile([agent.name])
+        except (ShardstreamError, httpx.HTTPError):
+            del self.agents[agent.name]
+            raise
+        return self.deploy()
 
     def _set_aside(self, name: str, client: AgentClient) -> None:
         """Keep a lost agent's client, to be tried again after `readmit_after_s`."""
@@ -220,13 +312,3 @@ class Coordinator:
     def close(self) -> None:
         for agent in [*self.agents.values(), *(client for client, _ in self.lost.values())]:
             agent.close()
-
-
-def advertise_host(agent_host: str) -> str:
-    """This machine's address as the agent at `agent_host` would reach it (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((agent_host, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"

@@ -1,4 +1,5 @@
-"""Finding agents on the local network by mDNS (zeroconf), an optional dependency."""
+"""Finding agents on the local network by mDNS (zeroconf), an optional dependency, and the address
+by which this machine is reached from a peer."""
 
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def discover(seconds: float) -> list[str]:
     browser.cancel()
     instance.close()
     return urls
+
+
+def advertise_host(peer_host: str) -> str:
+    """This machine's address as the machine at `peer_host` would reach it (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((peer_host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -8,7 +8,11 @@ once. With S stages and S or more sequences, every stage has work: stage 0 runs 
 stage 1 runs another. Each agent still runs one session's step at a time (no micro-batching; why:
 docs/ARCHITECTURE.md). At most `MAX_SESSIONS` sequences are active, the KV caches a stage keeps;
 the rest wait in order. When an agent of the route stops answering, the coordinator re-plans and
-every active sequence is replayed on the new route (one prefill of prompt + tokens so far).
+every active sequence is replayed on the new route (one prefill of prompt + tokens so far); when an
+agent answers that its stage is gone (`StageGone`: it was restarted, or another coordinator took
+it over), the coordinator re-deploys and replays the same way. What cannot be recovered fails its
+sequences with `PipelineUnavailable` (the API's 503). Agents that ask to join are taken in between
+requests: new requests wait until those in flight are done, then the model is re-planned.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from ..errors import InvalidOption, ShardstreamError, SourceUnreachable
+from ..errors import InvalidOption, PipelineUnavailable, ShardstreamError, SourceUnreachable, StageGone
 from ..serving.batching import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token,
                                open_sequence, prompt_scores)
-from .coordinator import Coordinator
+from .client import AgentClient
+from .coordinator import Coordinator, Route
 from .stage import MAX_SESSIONS
 from .transport import Inbox, Outbox
 
@@ -87,6 +93,7 @@ class PipelineEngine:
         self._reply = f"tcp://{reply_host}:{self._inbox.port}"
         self._waiting: deque[Sequence] = deque()
         self._active: dict[str, _Active] = {}     # by session
+        self._joins: deque[tuple[AgentClient, Future]] = deque()   # agents asking to join, with who waits
         self._condition = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pipeline-engine", daemon=True)
@@ -97,6 +104,8 @@ class PipelineEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Thread-safe. Refuses what the planned context cannot hold (KV memory was budgeted for
         --context-length tokens)."""
+        if self.coordinator.route is None:   # the API listens while the stages are still being deployed
+            raise PipelineUnavailable("the pipeline is still deploying its stages; retry in a moment.")
         sequence = open_sequence(prompt_ids, params, self.vocabulary, "cpu", self._notify)
         if len(prompt_ids) + params.max_new_tokens > self.context_length:
             raise InvalidOption(f"the prompt ({len(prompt_ids)} tokens) plus {params.max_new_tokens} new tokens exceeds "
@@ -108,6 +117,19 @@ class PipelineEngine:
             self._waiting.append(sequence)
             self._condition.notify()
         return sequence
+
+    def join(self, agent: AgentClient, timeout: float) -> Route:
+        """Thread-safe: have the coordinator take in `agent` and re-plan, once no request is in
+        flight (new ones wait meanwhile); the new route, or the reason it failed."""
+        done: Future = Future()
+        with self._condition:
+            if self.coordinator.route is None:
+                raise PipelineUnavailable("the pipeline is still deploying its first plan; join again in a moment.")
+            if self._closed:
+                raise PipelineUnavailable("the pipeline is shutting down; join another coordinator.")
+            self._joins.append((agent, done))
+            self._condition.notify()
+        return done.result(timeout)
 
     def close(self) -> None:
         """Cancel every sequence, stop the thread, close the sockets."""
@@ -130,7 +152,7 @@ class PipelineEngine:
         answered = time.monotonic()
         while True:
             with self._condition:
-                while not (self._closed or self._waiting or self._active):
+                while not (self._closed or self._waiting or self._active or self._joins):
                     self._condition.wait()
                 if self._closed:
                     return
@@ -143,34 +165,44 @@ class PipelineEngine:
                 elif self._active and time.monotonic() - answered > POLL_SECONDS:
                     answered = time.monotonic()
                     self._check_route()
-            except AgentLost as lost:
-                self._recover(lost)
+            except (AgentLost, StageGone) as fault:
+                self._recover(fault)
                 answered = time.monotonic()
             except Exception as error:  # noqa: BLE001 - a broken loop fails every sequence, not silently
                 log.exception("the pipeline scheduler failed; failing every active sequence")
                 self._fail_all(error)
 
     def _admit(self) -> None:
-        """Start waiting sequences while fewer than `max_active` run; drop cancelled ones."""
+        """Start waiting sequences while fewer than `max_active` run; drop cancelled ones. While an
+        agent waits to join, nothing new starts: it is taken in once the requests in flight are done."""
         started: list[Sequence] = []
         with self._condition:
             for sequence in [s for s in self._waiting if s.cancel_reason]:
                 self._waiting.remove(sequence)
                 sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
+            if self._joins and self._active:
+                return
+            joins = list(self._joins)
+            self._joins.clear()
             while self._waiting and len(self._active) + len(started) < self.max_active:
                 started.append(self._waiting.popleft())
+        for agent, done in joins:
+            try:
+                done.set_result(self.coordinator.join(agent))
+            except Exception as error:  # noqa: BLE001 - whoever asked is told why
+                done.set_exception(error)
         if not started:
             return
-        if self.coordinator.route is None:   # the API listens while the stages are still being deployed
-            for sequence in started:
-                sequence.fail(ShardstreamError("the pipeline is still deploying its stages; retry in a moment."))
-            return
-        readmit = not self._active
+        if not self._active:   # lost agents that answer again rejoin while nothing is in flight
+            try:
+                self.coordinator.readmit()
+            except Exception as error:  # noqa: BLE001 - no plan to run on: these requests say why
+                for sequence in started:
+                    sequence.fail(_unavailable(error))
+                return
         pending = [_Active(sequence, uuid.uuid4().hex) for sequence in started]
         self._active.update((active.session, active) for active in pending)
         self.peak_active = max(self.peak_active, len(self._active))
-        if readmit:   # lost agents that answer again rejoin while nothing is in flight
-            self.coordinator.readmit()
         for active in pending:
             self._send(active)
 
@@ -182,6 +214,8 @@ class PipelineEngine:
             lost = self._lost()
             if lost:
                 raise lost
+            if header.get("error") == StageGone.__name__:
+                raise StageGone(header["message"])
             self._finish(active, error=ShardstreamError(header["message"]))
             return
         self.last_timings = header["timings"]
@@ -209,10 +243,21 @@ class PipelineEngine:
             self._send(active)
 
     def _check_route(self) -> None:
-        """No answer for a while: a dead agent is lost; a step unanswered too long fails its sequence."""
+        """No answer for a while: a dead agent is lost; one that no longer holds its stage for this
+        coordinator (started again, perhaps on another data port; taken over) makes it re-deploy; a
+        step unanswered too long fails its sequence."""
         lost = self._lost()
         if lost:
             raise lost
+        route = self.coordinator.route
+        for agent, stage_id in zip(route.agents, route.stage_ids):
+            try:
+                health = agent.get("/v1/health", timeout=HEALTH_TIMEOUT)
+            except ShardstreamError:
+                raise AgentLost(agent.name, agent.url) from None
+            if (health.get("stage_id"), health.get("coordinator")) != (stage_id, self.coordinator.url):
+                raise StageGone(f"agent {agent.name} no longer holds its stage for this coordinator (it was started "
+                                "again, or serves another coordinator)")
         for active in list(self._active.values()):
             if time.monotonic() - active.sent_at > STEP_TIMEOUT:
                 self._finish(active, error=ShardstreamError(
@@ -225,7 +270,8 @@ class PipelineEngine:
         """The sequence's next step: the tokens its session's caches do not hold yet."""
         route = self.coordinator.route
         tokens = active.tokens
-        header = {"session": active.session, "step": len(tokens), "epoch": route.epoch, "position": active.cached,
+        header = {"session": active.session, "coordinator": self.coordinator.id, "step": len(tokens),
+                  "epoch": route.epoch, "position": active.cached,
                   "kind": "forward", "route": route.endpoints[1:], "reply": self._reply}
         sequence = active.sequence
         if sequence.params.prompt_logprobs and sequence.prompt_logprobs is None:
@@ -242,7 +288,8 @@ class PipelineEngine:
         route = self.coordinator.route
         if route is None or active.epoch != route.epoch:
             return   # that plan's stages were reloaded: their caches are gone
-        header = {"session": active.session, "step": -1, "epoch": route.epoch, "position": 0, "kind": "end",
+        header = {"session": active.session, "coordinator": self.coordinator.id, "step": -1, "epoch": route.epoch,
+                  "position": 0, "kind": "end",
                   "route": [], "reply": self._reply}
         for endpoint in route.endpoints:
             try:
@@ -270,17 +317,21 @@ class PipelineEngine:
                 return AgentLost(agent.name, agent.url)
         return None
 
-    def _recover(self, lost: AgentLost) -> None:
-        """Re-plan without the lost agent, then replay every active sequence on the new route; an
-        agent lost during the replay is recovered from the same way."""
+    def _recover(self, fault: AgentLost | StageGone) -> None:
+        """Re-plan without a lost agent, or re-deploy where a stage is gone, then replay every active
+        sequence on the new route; an agent lost during the replay is recovered from the same way."""
         sequences = [active.sequence for active in self._active.values()]
         while True:
             self._active = {}
             try:
-                self.coordinator.recover(lost.name)
+                if isinstance(fault, AgentLost):
+                    self.coordinator.recover(fault.name)
+                else:
+                    log.warning("%s; re-deploying", fault)
+                    self.coordinator.deploy()
             except Exception as error:  # noqa: BLE001 - nothing left to run on: every sequence says why
                 for sequence in sequences:
-                    sequence.fail(error)
+                    sequence.fail(_unavailable(error))
                 return
             self.recoveries += 1
             try:
@@ -294,4 +345,9 @@ class PipelineEngine:
                     self._send(active)
                 return
             except AgentLost as again:
-                lost = again
+                fault = again
+
+
+def _unavailable(error: Exception) -> PipelineUnavailable:
+    """Why the pipeline cannot run a request now: the server's fault (503), not the client's."""
+    return error if isinstance(error, PipelineUnavailable) else PipelineUnavailable(str(error))

@@ -19,8 +19,12 @@ from ..memory import available_bytes
 
 
 def capabilities(max_memory: int | None = None) -> dict:
-    """What the machine offers; ram_available_bytes is what this agent may use (see memory.py)."""
+    """What the machine offers; ram_available_bytes is what this agent may still use (see memory.py):
+    `max_memory` bounds the whole process, as a container would, so what the process holds already
+    (Python, torch: `process_rss_bytes`) comes out of it."""
     memory = psutil.virtual_memory()
+    rss = psutil.Process().memory_info().rss
+    headroom = None if max_memory is None else max(0, max_memory - rss)
     accelerators = [
         {"type": "cuda", "name": torch.cuda.get_device_name(i), "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
         for i in range(torch.cuda.device_count())
@@ -28,8 +32,8 @@ def capabilities(max_memory: int | None = None) -> dict:
     if torch.backends.mps.is_available():
         accelerators.append({"type": "mps", "name": "Apple GPU"})
     return {
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "ram_total_bytes": memory.total, "ram_available_bytes": available_bytes(max_memory),
-        "host_ram_available_bytes": memory.available,
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "ram_total_bytes": memory.total, "ram_available_bytes": available_bytes(headroom),
+        "host_ram_available_bytes": memory.available, "process_rss_bytes": rss,
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "accelerators": accelerators,
     }

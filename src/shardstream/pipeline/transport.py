@@ -90,8 +90,8 @@ def serve_stage(inbox: Inbox, outbox: Outbox,
     `compute` gets every message waiting (one received, then the rest without waiting, so that it
     can batch them) and yields each one's header, its output (None for messages that need no
     answer, such as ending a session; the exception when it failed) and its compute seconds. A
-    failure goes back to the coordinator as an error message naming this agent, so it need not
-    wait to find out.
+    failure goes back to the coordinator as an error message naming this agent and the error's
+    class (`StageGone`: re-deploy), so it need not wait to find out.
     """
     while running():
         waiting = []
@@ -125,6 +125,7 @@ def _answer(outbox: Outbox, header: dict, output: Answer, seconds: float, name: 
     except Exception as error:  # reported to the coordinator, which decides what to do
         message = f"agent {name}: {error}"
         try:
-            outbox.send(header["reply"], {**header, "kind": "error", "message": message}, torch.empty(0))
+            outbox.send(header["reply"], {**header, "kind": "error", "message": message, "error": type(error).__name__},
+                        torch.empty(0))
         except zmq.ZMQError:
             pass  # the coordinator is gone too; nobody to tell

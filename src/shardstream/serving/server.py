@@ -14,11 +14,11 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from .openai_api import (DEFAULT_MAX_REQUEST_BYTES, HEALTH_PATH, APIError, BodyLimit, ChatRequest,
@@ -33,9 +33,12 @@ DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its
 
 def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine,
                aliases: tuple[str, ...] = (), api_key: str | None = None, chat_template: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               health: Callable[[], Response] | None = None) -> FastAPI:
     """`engine` runs the sequences: a BatchEngine (`serve`) or the pipeline's PipelineEngine; `model`
-    gives the context length (`config.max_position_embeddings`) and the vocabulary (`config.vocab_size`)."""
+    gives the context length (`config.max_position_embeddings`) and the vocabulary (`config.vocab_size`);
+    `health` answers /health where being up is not being ready (the pipeline's coordinator, while it
+    deploys its stages)."""
     served = [model_id, *[alias for alias in aliases if alias != model_id]]
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
@@ -46,9 +49,9 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     install_api_key(app, api_key)
 
-    @app.get(HEALTH_PATH)
-    def health() -> dict:
-        return {"status": "ok"}
+    @app.get(HEALTH_PATH, response_model=None)
+    def health_check() -> dict | Response:
+        return health() if health is not None else {"status": "ok"}
 
     @app.get("/v1/models")
     def models() -> dict:
