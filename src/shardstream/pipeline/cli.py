@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import typer
 
 from ..errors import InvalidOption
+from ..options import model_id
 
 Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
                                     envvar="SHARDSTREAM_TOKEN")]
@@ -189,7 +190,7 @@ def coordinator_command(
                                            "API wants --token.")] = None,
     model_name: Annotated[Optional[list[str]], typer.Option(
         help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list); the first is reported "
-             "by /v1/models. Default: the --model path. Any other id is a 404 model_not_found.")] = None,
+             "by /v1/models. Default: the --model folder's name, as serve names it. Any other id is a 404 model_not_found.")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(
         help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "
              "refused).")] = None,
@@ -229,7 +230,7 @@ def coordinator_command(
             return
         pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
         tokenizer = load_tokenizer(pipeline) if generate or serving else None
-        names = [n.strip() for value in (model_name or [str(model)]) for n in value.split(",") if n.strip()]
+        names = [n.strip() for value in (model_name or [model_id(str(model))]) for n in value.split(",") if n.strip()]
         app = coordinator_app(pipeline, tokenizer, names[0], work_dir / "stages", token, api_key=api_key,
                               aliases=tuple(names[1:]), chat_template=read_template(chat_template))
         try:   # listening first: a port in use is said at once, and /health says "deploying" meanwhile
