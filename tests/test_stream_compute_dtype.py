@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardstream import quant
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.serving import admission
 from shardstream.stream import AutoModel, compute_dtype, loader, quant_linear
 from shardstream.serving.admission import MIN_PREFILL_CHUNK, Shape, kv_peak, prefill_chunk
+from counting import linear_dequantizations
 from tiny_models import char_tokenizer, save_checkpoint
 
 IDS = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -134,19 +134,6 @@ def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):
     assert "--compute-dtype" in CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
 
 
-def _linear_dequantizations(monkeypatch) -> list[list[int]]:
-    shapes: list[list[int]] = []
-    real = quant.dequantize
-
-    def dequantize(data, absmax, meta, out=None):
-        if len(meta["shape"]) == 2:
-            shapes.append(meta["shape"])
-        return real(data, absmax, meta, out)
-
-    monkeypatch.setattr(quant, "dequantize", dequantize)
-    return shapes
-
-
 @pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, compute):
@@ -154,7 +141,7 @@ def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, co
     logits are those of the same store dequantized (the kernel rounds each value to bfloat16, as dequantizing does)."""
     _, store = stores("llama", "bfloat16", "4bit")
     with AutoModel.from_pretrained(store, compute_dtype=compute, max_resident_memory=0) as model, torch.no_grad():
-        dequantized = _linear_dequantizations(monkeypatch)
+        dequantized = linear_dequantizations(monkeypatch)
         got = model(IDS).logits
         assert dequantized == []
         assert len(model._loader.packed_keys) == 7 * model.store.num_layers + 1

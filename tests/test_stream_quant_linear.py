@@ -19,6 +19,7 @@ from shardstream.convert import convert
 from shardstream.stream import AutoModel, quant_linear
 from shardstream.store import open_store
 from shardstream.native import find_compiler
+from counting import linear_dequantizations
 from tiny_models import save_checkpoint
 
 needs_kernel = pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
@@ -130,20 +131,6 @@ def store(tmp_path_factory, request):
     return folder / "store"
 
 
-def _linear_dequantizations(monkeypatch) -> list[list[int]]:
-    """The shapes of the matrices `quant.dequantize` is asked for from now on."""
-    shapes: list[list[int]] = []
-    real = quant.dequantize
-
-    def dequantize(data, absmax, meta, out=None):
-        if len(meta["shape"]) == 2:
-            shapes.append(meta["shape"])
-        return real(data, absmax, meta, out)
-
-    monkeypatch.setattr(quant, "dequantize", dequantize)
-    return shapes
-
-
 @needs_kernel
 @pytest.mark.parametrize("direct", ["on", "off"])
 def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident_where_faster(store, monkeypatch, direct):
@@ -153,7 +140,7 @@ def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident_where_
     method = open_store(store).manifest.compression
     ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(1))
     with AutoModel.from_pretrained(store, max_resident_memory=0) as streamed, torch.no_grad():
-        dequantized = _linear_dequantizations(monkeypatch)
+        dequantized = linear_dequantizations(monkeypatch)
         want = streamed(ids).logits
         alone = torch.cat([streamed(ids[i:i + 1]).logits for i in range(len(ids))])
         assert dequantized == []
@@ -191,7 +178,7 @@ def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, 
     try:
         with caplog.at_level(logging.INFO, logger="shardstream.stream"):
             with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
-                dequantized = _linear_dequantizations(monkeypatch)
+                dequantized = linear_dequantizations(monkeypatch)
                 assert model._loader.packed_keys == frozenset()
                 plain = model(ids).logits
                 assert dequantized

@@ -18,6 +18,27 @@ from .partfile import decode_tensor
 from .sharding import Expert, ShardIndex, load_expert, load_index, load_tp, placed_in, read_path, tier_root
 
 
+def read_spans(path: Path, spans: list[tuple[int, int]], into: memoryview) -> None:
+    """Read each (offset, length) byte range of the file at `path` into `into`, one after the other: the
+    bytes of part of a tensor (embedding rows, a rank's share) without the rest of its file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise problems.missing(path) from None
+    try:
+        done = 0
+        for offset, length in spans:
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [into[done + got:done + length]], offset + got)
+                if not n:
+                    raise problems.shorter(path)
+                got += n
+            done += length
+    finally:
+        os.close(fd)
+
+
 class Store:
     """A layer store on disk. `load(part)` reads exactly that part's file (plus tied tensors, and
     a block's experts where `shardstream shard --experts` stored them apart)."""

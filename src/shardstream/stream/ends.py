@@ -15,14 +15,14 @@ streamed block's is.
 from __future__ import annotations
 
 import contextlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from ..store import Store, problems
+from ..store import Store
+from ..store.reader import read_spans
 from ..store.dtypes import TORCH_DTYPES
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_direct
 from .linear import flat_linear
@@ -177,30 +177,17 @@ class EmbeddingRows:
         self._verified.check()
         matrix = self._matrix
         out = torch.empty(len(ids), matrix.cols, dtype=matrix.dtype)
-        raw = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        path = self._store.file_path(matrix.file)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise problems.missing(path) from None
-        try:
-            start = 0
-            while start < len(ids):
-                end = start + 1
-                while end < len(ids) and ids[end] == ids[end - 1] + 1:
-                    end += 1
-                if ids[start] < 0 or ids[end - 1] >= matrix.rows:
-                    raise IndexError(f"token id out of range for a vocabulary of {matrix.rows}")
-                view = raw[start * matrix.row_bytes:end * matrix.row_bytes]
-                done = 0
-                while done < len(view):
-                    got = os.preadv(fd, [view[done:]], matrix.offset + ids[start] * matrix.row_bytes + done)
-                    if not got:
-                        raise problems.shorter(path)
-                    done += got
-                start = end
-        finally:
-            os.close(fd)
+        spans = []
+        start = 0
+        while start < len(ids):
+            end = start + 1
+            while end < len(ids) and ids[end] == ids[end - 1] + 1:
+                end += 1
+            if ids[start] < 0 or ids[end - 1] >= matrix.rows:
+                raise IndexError(f"token id out of range for a vocabulary of {matrix.rows}")
+            spans.append((matrix.offset + ids[start] * matrix.row_bytes, (end - start) * matrix.row_bytes))
+            start = end
+        read_spans(self._store.file_path(matrix.file), spans, memoryview(out.view(torch.uint8).numpy()).cast("B"))
         return out
 
 

@@ -9,15 +9,13 @@ checksum covers all of it and cannot be checked from a share; exported slices
 
 from __future__ import annotations
 
-import os
 from math import prod
 
 import torch
 
-from ..store import problems
 from ..store.dtypes import TORCH_DTYPES
 from ..store.manifest import TensorRecord
-from ..store.reader import Store
+from ..store.reader import Store, read_spans
 from .layout import Take
 
 
@@ -51,21 +49,5 @@ class ShareReader:
         return out
 
     def _read_spans(self, record: TensorRecord, spans: list[tuple[int, int]], into: memoryview) -> None:
-        path = self.store.file_path(record.file)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise problems.missing(path) from None
-        try:
-            done = 0
-            for offset, length in spans:
-                got = 0
-                while got < length:
-                    n = os.preadv(fd, [into[done + got:done + length]], offset + got)
-                    if not n:
-                        raise problems.shorter(path)
-                    got += n
-                done += length
-                self.bytes_read += length
-        finally:
-            os.close(fd)
+        read_spans(self.store.file_path(record.file), spans, into)
+        self.bytes_read += sum(length for _, length in spans)
