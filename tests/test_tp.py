@@ -73,7 +73,8 @@ def runs(tmp_path_factory):
     stores["llama-sliced"], references["llama-sliced"] = folder / "llama-sliced", references["llama"]
     export_tp(open_store(stores["phi3"]), 2)   # its fused slices are one block of rows: not a rank's heads
     jobs = [{"name": name, "stores": [str(store)] * 2} for name, store in stores.items()]
-    jobs += [{"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
+    jobs += [{"name": "llama-bfloat16", "stores": [str(stores["llama"])] * 2, "compute_dtype": "bfloat16"},
+             {"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
              {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]}]
     out = folder / "out"
     out.mkdir()
@@ -107,6 +108,13 @@ def test_each_rank_reads_half_of_every_split_tensor_and_all_of_the_norms(runs, n
     split = sum(r.length for n, r in manifest.tensors.items() if "norm" not in n)
     for rank in (0, 1):
         assert results[name][rank]["bytes_read"] == split // 2 + norms
+
+
+def test_ranks_compute_in_the_compute_dtype_asked_for(runs):
+    """`compute_dtype` means on the ranks what it means to one process (the fp32 store computed in bf16)."""
+    _, _, results = runs
+    assert [results["llama-bfloat16"][rank]["dtype"] for rank in (0, 1)] == ["torch.bfloat16"] * 2
+    assert [results["llama"][rank]["dtype"] for rank in (0, 1)] == ["torch.float32"] * 2
 
 
 def test_fewer_kv_heads_than_ranks_reads_the_kv_head_on_both(runs):

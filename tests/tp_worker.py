@@ -1,8 +1,9 @@
 """One rank of the tensor-parallel tests, started by `python -m torch.distributed.run` (test_tp.py).
 
-argv[1] is a JSON file of jobs: {"name", "stores": [one store per rank], "out": folder}. For each job
-this rank opens its store with `AutoModel.from_pretrained(..., tensor_parallel=True)` and writes
-`<name>.<rank>.json` (bytes read and sampled tokens, or the refusal's message); rank 0 also writes `<name>.pt` (logits
+argv[1] is a JSON file of jobs: {"name", "stores": [one store per rank], "out": folder, and optionally
+"compute_dtype"}. For each job this rank opens its store with `AutoModel.from_pretrained(...,
+tensor_parallel=True)` and writes `<name>.<rank>.json` (bytes read, sampled tokens and the logits' dtype,
+or the refusal's message); rank 0 also writes `<name>.pt` (logits
 and greedy tokens). One launch runs every job: starting ranks is most of a test's time.
 """
 
@@ -24,7 +25,8 @@ IDS = torch.tensor([[1, 5, 9, 20, 33, 40, 7]])
 def run(job: dict, rank: int) -> None:
     out = Path(job["out"])
     try:
-        model = AutoModel.from_pretrained(job["stores"][rank], tensor_parallel=True, progress=False)
+        model = AutoModel.from_pretrained(job["stores"][rank], tensor_parallel=True, progress=False,
+                                          compute_dtype=job.get("compute_dtype", "auto"))
     except ShardstreamError as error:
         (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"refused": str(error)}))
         return
@@ -33,7 +35,8 @@ def run(job: dict, rank: int) -> None:
     torch.manual_seed(rank)   # each rank its own random state: rank 0's must be used
     sampled = model.generate(IDS, max_new_tokens=8, do_sample=True, temperature=1.5)
     (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"bytes_read": model.bytes_read,
-                                                                "sampled": sampled.tolist()}))
+                                                                "sampled": sampled.tolist(),
+                                                                "dtype": str(logits.dtype)}))
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens}, out / f"{job['name']}.pt")
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..store import Store
-from ..store.reader import read_spans
 from ..store.dtypes import TORCH_DTYPES
+from ..store.reader import read_spans
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_direct
 from .linear import flat_linear
 from .mapped import verify_mapped

@@ -42,6 +42,7 @@ def generate_command(
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
+    converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
         from ..tp.cli import generate_tp
 
@@ -50,9 +51,9 @@ def generate_command(
                  "--max-resident-memory": None if max_resident_memory == "auto" else max_resident_memory,
                  "--max-host-memory": None if max_host_memory == "auto" else max_host_memory}
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
-                    not no_progress, [name for name, value in given.items() if value is not None])
+                    not no_progress, [name for name, value in given.items() if value is not None], compute_dtype,
+                    converting)
         return
-    converting = Converting(sequential, compression, revision, hf_token)
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:

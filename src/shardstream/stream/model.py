@@ -20,20 +20,20 @@ from transformers import PreTrainedModel
 
 from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..quant import QuantizedTensor
+from ..serving.admission import Shape, prefill_chunk, room
 from ..serving.text import check_context
 from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
-from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
-from .loader import BlockLoader
-from .meta import build_meta_model, common_module
-from .linear import packable_weights
-from .pieces import Piece, held_through, split_block, whole, working_set
-from .profile import Profile
-from ..serving.admission import Shape, prefill_chunk, room
 from .blocks import StreamedBlocks, fill_block
 from .compute_dtype import parse_compute_dtype
 from .direct import use_direct
 from .ends import Ends
+from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
+from .linear import packable_weights
+from .loader import BlockLoader
+from .meta import build_meta_model, common_module
+from .pieces import Piece, held_through, split_block, whole, working_set
+from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_host_budget
 from .resolve import ensure_store
 from .weights import Slots, WeightMapper
@@ -60,16 +60,15 @@ def _check_files(store: Store) -> None:
 
 
 class StreamingModel:
-    """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`)."""
-
-    max_seq_len: int | None = None   # the longest prompt plus new tokens a call may run (from_pretrained's)
+    """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
+    longest prompt plus new tokens a call may run (None: the model's context)."""
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
                  profiling_mode: bool = False, verify_checksums: bool = True,
                  compute_dtype: str | torch.dtype | None = "auto",
                  experts: str = "with_block", piece_bytes: int | None = None,
-                 max_host_memory: int | str | None = "auto"):
+                 max_host_memory: int | str | None = "auto", max_seq_len: int | None = None):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
@@ -77,6 +76,7 @@ class StreamingModel:
         parse_compute_dtype(compute_dtype)
         _check_files(store)
         self.store = store
+        self.max_seq_len = max_seq_len
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidOption("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'.")
@@ -419,26 +419,25 @@ class AutoModel:
         refuse_training_switches(install_hooks, load_resident)
         if max_seq_len is not None and max_seq_len < 1:
             raise InvalidOption(f"max_seq_len must be at least 1, not {max_seq_len}.")
+        compute_dtype = compute_dtype if dtype is None else dtype
+        parse_compute_dtype(compute_dtype)   # a mistyped option before any conversion
+
+        def open_store() -> Store:
+            return ensure_store(
+                pretrained_model_name_or_path, layer_shards_saving_path,
+                sequential_shard_processing=sequential_shard_processing, compression=compression,
+                delete_original=delete_original, profiling_mode=profiling_mode,
+                token=token, revision=revision, progress=progress,
+            )
+
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel
 
-            return open_tensor_parallel(lambda: ensure_store(
-                pretrained_model_name_or_path, layer_shards_saving_path, compression=compression, token=token,
-                revision=revision, progress=progress), device, dtype)
-        compute_dtype = compute_dtype if dtype is None else dtype
-        parse_compute_dtype(compute_dtype)   # a mistyped option before any conversion
-        store = ensure_store(
-            pretrained_model_name_or_path, layer_shards_saving_path,
-            sequential_shard_processing=sequential_shard_processing, compression=compression,
-            delete_original=delete_original, profiling_mode=profiling_mode,
-            token=token, revision=revision, progress=progress,
-        )
-        model = StreamingModel(
-            store, device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
+            return open_tensor_parallel(open_store, device, compute_dtype)
+        return StreamingModel(
+            open_store(), device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
             max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
             verify_checksums=verify_checksums, compute_dtype=compute_dtype,
             experts=experts, piece_bytes=piece_bytes,
-            max_host_memory=max_host_memory,
+            max_host_memory=max_host_memory, max_seq_len=max_seq_len,
         )
-        model.max_seq_len = max_seq_len
-        return model

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from ..errors import InvalidOption
+from ..options import compression
+from ..stream.cli import Converting
 
 
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
-                progress: bool, unsupported: list[str]) -> None:
-    """One prompt over the ranks; `unsupported` names the options given that TP does not take."""
+                progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting) -> None:
+    """One prompt over the ranks; `unsupported` names the options given that TP does not take; a checkpoint
+    is converted with `converting`'s options, as generate converts one."""
     if unsupported:
         raise InvalidOption(f"{', '.join(unsupported)} cannot be combined with --tensor-parallel yet; leave "
                             f"{'it' if len(unsupported) == 1 else 'them'} out.")
     if prompt is None:
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
+    from ..stream.compute_dtype import parse_compute_dtype
+
+    parse_compute_dtype(compute_dtype, "--compute-dtype")
     import torch.distributed as dist
 
     from ..stream.cli import check_device
@@ -23,6 +29,9 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
 
     check_device(device)
     with AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                   sequential_shard_processing=converting.sequential,
+                                   compression=compression(converting.compression), token=converting.hf_token,
+                                   revision=converting.revision, compute_dtype=compute_dtype,
                                    progress=progress, tensor_parallel=True) as model:
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)

@@ -31,7 +31,8 @@ from .reading import ShareReader
 class TensorParallelModel:
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`), on every rank."""
 
-    def __init__(self, store: Store, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    def __init__(self, store: Store, *, device: str | torch.device = "cpu",
+                 compute_dtype: str | torch.dtype | None = "auto"):
         if store.manifest.compression:
             raise InvalidOption(
                 f"the store at {store.root} is {store.manifest.compression}-quantized, and tensor parallelism runs "
@@ -41,7 +42,7 @@ class TensorParallelModel:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         exported = check_same_store(store, self.size)
         self.store = store
-        self.model = build_meta_model(store, dtype)
+        self.model = build_meta_model(store, compute_dtype, self.device)
         roles = tp_roles(self.model)
         heads = rank_heads(self.model.config, self.rank, self.size)
         mapper = WeightMapper(self.model)
@@ -234,7 +235,7 @@ def _vocabulary_lookup(start: int, stop: int) -> tuple[Callable, Callable]:
 
 
 def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device,
-                         dtype: torch.dtype | None) -> TensorParallelModel:
+                         compute_dtype: str | torch.dtype | None) -> TensorParallelModel:
     """Join the group, open (or convert) the store once per machine, then build this rank's model."""
     join_group(device)
-    return TensorParallelModel(each_machine_once(open_store), device=device, dtype=dtype)
+    return TensorParallelModel(each_machine_once(open_store), device=device, compute_dtype=compute_dtype)
