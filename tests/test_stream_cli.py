@@ -50,6 +50,12 @@ def test_generate_command_refuses_a_prompt_beyond_the_context(tiny):
         generate_command(str(store), prompt="x" * 70, max_new_tokens=2)
 
 
+def test_a_prompt_the_tokenizer_makes_nothing_of_is_refused(tiny):
+    store, _, _ = tiny
+    with pytest.raises(InvalidOption, match="the prompt gives no tokens with this model's tokenizer"):
+        generate_command(str(store), prompt="\u20ac\u20ac", max_new_tokens=2)   # the char tokenizer knows no euro sign
+
+
 def test_a_long_prompt_gets_our_error_without_transformers_warning_first(tiny, capfd, caplog):
     """transformers warns "Token indices sequence length is longer..." when a tokenizer with a
     model_max_length encodes a longer text; our own context check says what to do, so only it speaks."""
@@ -115,3 +121,21 @@ def test_a_prompt_that_is_not_utf8_is_one_line_and_exit_1(tiny):
     assert done.stderr.strip().splitlines() == [
         "error: --prompt is not UTF-8 text (byte 0xE9 at character 3); give the prompt in UTF-8, or convert it "
         "first (iconv -t UTF-8)."]
+
+
+def test_a_store_without_tokenizer_files_is_one_line_and_exit_1(tmp_path):
+    """transformers builds an empty tokenizer from a folder with none of its files (a checkpoint written
+    without them, as scripts/real_shapes.py writes), and its empty prompt was a reshape traceback."""
+    from shardstream.convert import convert
+    from tiny_models import save_checkpoint
+
+    save_checkpoint("qwen2", tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    done = subprocess.run([shardstream, "generate", str(tmp_path / "store"), "--prompt", "hi", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the store at {tmp_path / 'store'} has no usable tokenizer files (none of tokenizer.json, "
+        "vocab.json, vocab.txt, tokenizer.model, spiece.model); copy tokenizer.json and tokenizer_config.json "
+        "from the checkpoint into it.")

@@ -5,26 +5,40 @@ Shared by the `generate` command and the OpenAI-compatible server so both sample
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NoReturn
+
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, StoreIncomplete
 
 
+# the files one of which holds a tokenizer's vocabulary (without any, transformers builds an empty one)
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+
+
 def load_tokenizer(model) -> PreTrainedTokenizerBase:
     """The tokenizer files the converter copied into the store of `model` (a streaming model or a pipeline:
     anything with a `store`)."""
+    root = model.store.root
+    if isinstance(root, Path) and root.is_dir() and not any((root / name).is_file() for name in VOCABULARY_FILES):
+        _no_tokenizer(root, f"none of {', '.join(VOCABULARY_FILES)}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model.store.root)
+        tokenizer = AutoTokenizer.from_pretrained(root)
     except (OSError, ValueError) as error:
-        raise StoreIncomplete(
-            f"the store at {model.store.root} has no usable tokenizer files ({error}); "
-            "copy tokenizer.json and tokenizer_config.json from the checkpoint into it."
-        ) from None
+        _no_tokenizer(root, str(error))
     # Prompt length is checked against the model's context by us, with a message that says what to do;
     # transformers' own "Token indices sequence length is longer..." warning would only come first.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
+
+
+def _no_tokenizer(root, why: str) -> NoReturn:
+    raise StoreIncomplete(
+        f"the store at {root} has no usable tokenizer files ({why}); "
+        "copy tokenizer.json and tokenizer_config.json from the checkpoint into it."
+    ) from None
 
 
 def check_context(config, length: int, new_tokens: int) -> None:
@@ -90,4 +104,6 @@ def encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> dict[str, torch.T
     if not prompt:
         raise InvalidOption("the prompt is empty; give some text to continue.")
     encoded = tokenizer(prompt, return_tensors="pt")
+    if not encoded["input_ids"].shape[-1]:
+        raise InvalidOption("the prompt gives no tokens with this model's tokenizer; give text it can encode.")
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
