@@ -347,11 +347,11 @@ def costs_section(args, store: Path, state: dict) -> str:
 def pipeline_section(args, store: Path, state: dict) -> str:
     import tempfile
 
+    import torch
+
     import pipeline as pipeline_bench   # benchmarks/pipeline.py: agents, coordinator, stage server
     from shardstream.pipeline.coordinator import CoordinatorOptions
     from shardstream.serving.batching import SamplingParams
-
-    import torch
 
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))[0].tolist()
     rows = []
@@ -428,8 +428,9 @@ def paper_section(args, state: dict, layout: dict) -> str:
             f"same rate per byte (memory-bound decode; TP ranks run unquantized stores today, so the 4-bit rows are "
             f"paper only). Spill: a share beyond --paper-ram {args.paper_ram} GiB read per token from an NVMe disk at "
             f"{args.paper_disk:.0f} MB/s. Links: 2 all-reduces per block plus the embedding's of one token's fp32 "
-            f"activation and the logits' all-gather, each a ring of 2(N-1) steps costing the measured loopback step "
-            f"({alpha * 1e3:.3f} ms) plus --paper-hop-ms {args.paper_hop_ms} and its bytes at the link's speed.\n\n"
+            f"activation (rings of 2(N-1) steps) and the logits' all-gather (N-1 steps), each step costing the measured "
+            f"loopback step ({alpha * 1e3:.3f} ms: half a 2-rank all-reduce) plus --paper-hop-ms {args.paper_hop_ms}, "
+            f"and the bytes a machine sends at the link's speed.\n\n"
             + markdown_table(["shape", "weights", "machines", "GB per machine", "compute + spill ms",
                               "tok/s at 1 Gbit/s", "tok/s at 10 Gbit/s"], rows)
             + "\n\ndistributed-llama's published figures (tok/s by machine count; Q40 weights, Q80 buffers; "
