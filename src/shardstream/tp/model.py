@@ -23,6 +23,7 @@ from ..store.reader import Store
 from ..store.sharding import load_index
 from ..stream.meta import build_meta_model
 from ..stream.weights import Slots, WeightMapper
+from .experts import RankExperts
 from .group import check_same_store, each_machine_once, join_group, leave_group
 from .layout import FUSED_QKV, Heads, Take, is_exported_block, rank_heads, take, tp_roles
 from .reading import ShareReader
@@ -46,15 +47,18 @@ class TensorParallelModel:
         roles = tp_roles(self.model)
         heads = rank_heads(self.model.config, self.rank, self.size)
         mapper = WeightMapper(self.model)
-        shares = self._shares(mapper, roles, heads)
+        experts = RankExperts(self.model, mapper, store, self.rank, self.size)   # MoE: this rank's whole experts
+        shares = {k: s for k, s in self._shares(mapper, roles, heads).items() if k not in experts.stored}
         self.bytes_read = 0
         if exported and self._exported_fit(shares):
             tensors = self._read_exported(shares)
         else:
             tensors = self._read_shares(shares)
+        tensors.update(experts.read())
+        self.bytes_read += experts.bytes_read
         self._fill(mapper, tensors)
         self._localize_attention(roles, heads)
-        self._hooks = self._add_collectives(roles)
+        self._hooks = self._add_collectives(roles) + experts.localize()
 
     # -- reading -----------------------------------------------------------------------------
 
