@@ -1,4 +1,5 @@
-"""`shardstream generate --tensor-parallel`: run by torchrun on every rank; rank 0 prints the text."""
+"""`shardstream generate --tensor-parallel`: run by torchrun on every rank; rank 0 prints the text.
+(`serve --tensor-parallel` is in serve.py.)"""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ from ..options import compression
 from ..stream.cli import Converting
 
 
+def refuse_unsupported(unsupported: list[str]) -> None:
+    """The options given that tensor parallelism does not take yet, refused by name."""
+    if unsupported:
+        raise InvalidOption(f"{', '.join(unsupported)} cannot be combined with --tensor-parallel yet; leave "
+                            f"{'it' if len(unsupported) == 1 else 'them'} out.")
+
+
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
                 progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting) -> None:
     """One prompt over the ranks; `unsupported` names the options given that TP does not take; a checkpoint
     is converted with `converting`'s options, as generate converts one."""
-    if unsupported:
-        raise InvalidOption(f"{', '.join(unsupported)} cannot be combined with --tensor-parallel yet; leave "
-                            f"{'it' if len(unsupported) == 1 else 'them'} out.")
+    refuse_unsupported(unsupported)
     if prompt is None:
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
     from ..stream.compute_dtype import parse_compute_dtype
