@@ -166,12 +166,18 @@ def test_streaming_logprobs_n_and_chat(ranks):
         openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_options_tensor_parallel_cannot_take_are_refused_in_one_sentence(tiny):
+@pytest.mark.parametrize("options, sentence", [
+    (["--tensor-parallel", "--max-resident-memory", "1GB"],
+     "--max-resident-memory cannot be combined with --tensor-parallel yet; leave it out."),
+    (["--tp-timeout", "60"], "--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel."),
+    (["--tensor-parallel", "--tp-timeout", "0"], "--tp-timeout must be a positive number of seconds, not 0.0."),
+])
+def test_options_that_do_not_go_with_tensor_parallel_are_one_sentence(tiny, options, sentence):
     store, _, _ = tiny
-    done = subprocess.run([sys.executable, "-m", "shardstream", "serve", str(store), "--tensor-parallel",
-                           "--max-resident-memory", "1GB"], capture_output=True, text=True, env=_env(), timeout=120)
+    done = subprocess.run([sys.executable, "-m", "shardstream", "serve", str(store), *options],
+                          capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "--max-resident-memory cannot be combined with --tensor-parallel yet; leave it out." in done.stderr
+    assert sentence in " ".join(done.stderr.split())
 
 
 def test_a_rank_started_with_another_store_is_one_sentence_on_each_rank(tiny, tmp_path):

@@ -22,6 +22,8 @@ from ..options import Compression, HfToken, Revision, Sequential, StorePath, mod
 from ..sizes import parse_size
 from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
 
+TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -83,9 +85,9 @@ def serve_command(
     tensor_parallel: Annotated[bool, typer.Option(
         "--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md): "
                                   "rank 0 serves, the other ranks bind no port.")] = False,
-    tp_timeout: Annotated[float, typer.Option(
+    tp_timeout: Annotated[Optional[float], typer.Option(
         help="With --tensor-parallel: seconds a rank waits for the others in a collective before the group counts "
-             "as lost (also while a checkpoint is converted at start).")] = 300.0,
+             "as lost (also while a checkpoint is converted at start). Default: 300.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     names = [name.strip() for value in (model_name or [model_id(source)]) for name in value.split(",") if name.strip()]
@@ -93,12 +95,19 @@ def serve_command(
                         parse_size(max_request_size, "--max-request-size"), quiet)
     converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
-        from ..tp.serve import serve_tp
+        from ..tp.cli import refuse_unsupported
 
         given = {"--max-resident-memory": max_resident_memory, "--max-host-memory": max_host_memory}
-        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, tp_timeout,
-                 [name for name, value in given.items() if value != "auto"])
+        refuse_unsupported([name for name, value in given.items() if value != "auto"])
+        timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
+        if not timeout > 0:
+            raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout}.")
+        from ..tp.serve import serve_tp
+
+        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout)
         return
+    if tp_timeout is not None:
+        raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
     listener = bind(host, port)
     import uvicorn
 

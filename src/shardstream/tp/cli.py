@@ -15,6 +15,18 @@ def refuse_unsupported(unsupported: list[str]) -> None:
                             f"{'it' if len(unsupported) == 1 else 'them'} out.")
 
 
+def open_rank(source: str, store_path: str | None, device: str, compute_dtype: str, converting: Converting,
+              progress: bool):
+    """This rank's model; a checkpoint is converted first with `converting`'s options (once per machine)."""
+    from ..stream.model import AutoModel
+
+    return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
+                                     sequential_shard_processing=converting.sequential,
+                                     compression=compression(converting.compression), token=converting.hf_token,
+                                     revision=converting.revision, compute_dtype=compute_dtype,
+                                     progress=progress, tensor_parallel=True)
+
+
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
                 progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting) -> None:
@@ -29,16 +41,11 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
     import torch.distributed as dist
 
     from ..stream.cli import check_device
-    from ..stream.model import AutoModel
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     check_device(device)
-    with AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                   sequential_shard_processing=converting.sequential,
-                                   compression=compression(converting.compression), token=converting.hf_token,
-                                   revision=converting.revision, compute_dtype=compute_dtype,
-                                   progress=progress, tensor_parallel=True) as model:
+    with open_rank(source, store_path, device, compute_dtype, converting, progress) as model:
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

@@ -20,12 +20,11 @@ from datetime import timedelta
 import torch.distributed as dist
 from starlette.responses import JSONResponse
 
-from ..errors import GroupLost, InvalidOption, ShardstreamError
-from ..options import compression
+from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
 from ..stream.cli import Converting, check_device
 from ..stream.serve_cli import Endpoint, bind, log_batch_bounds, say, server_class
-from .cli import refuse_unsupported
+from .cli import open_rank
 from .group import check_torchrun, join_group
 from .serving import GroupCalls, error_gist, follow
 
@@ -33,12 +32,8 @@ CLOSE_S = 10.0   # how long the last replies and a clean stop may take (the engi
 
 
 def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, store_path: str | None,
-             converting: Converting, progress: bool, timeout_s: float, unsupported: list[str]) -> None:
-    """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel`; `unsupported` names the
-    options given that TP does not take."""
-    refuse_unsupported(unsupported)
-    if not timeout_s > 0:
-        raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout_s}.")
+             converting: Converting, progress: bool, timeout_s: float) -> None:
+    """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked)."""
     from ..stream.compute_dtype import parse_compute_dtype
 
     parse_compute_dtype(compute_dtype, "--compute-dtype")
@@ -46,14 +41,8 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, s
     check_torchrun()
 
     def open_model():
-        from ..stream.model import AutoModel
-
-        join_group(device, timedelta(seconds=timeout_s))
-        return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
-                                         sequential_shard_processing=converting.sequential,
-                                         compression=compression(converting.compression), token=converting.hf_token,
-                                         revision=converting.revision, compute_dtype=compute_dtype,
-                                         progress=progress, tensor_parallel=True)
+        join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
+        return open_rank(source, store_path, device, compute_dtype, converting, progress)
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     if rank != 0:

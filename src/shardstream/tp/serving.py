@@ -17,6 +17,7 @@ and on the others, which then exit, so that torchrun can restart the group.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -50,7 +51,7 @@ class GroupCalls:
         self.heartbeat_s = heartbeat_s
         self._on_lost = on_lost
         self._lock = threading.Lock()   # one call at a time, in one order, from the engine and the heartbeat
-        self._numbers = iter(range(1 << 62))
+        self._numbers = itertools.count()
         self._dropped: deque[int] = deque()   # caches rank 0 let go of: the others drop theirs with the next call
         self._lost: GroupLost | None = None
         self._last = time.monotonic()
