@@ -12,7 +12,7 @@ Sections (`--sections`, so that a subset fits in the time at hand):
 - single: per round (`--repeat`), the cold read speed of the block files (the I/O floor: bytes
   of blocks per token / the best of several sequential readers, with and without O_DIRECT), then
   each `--modes` setting in its own process: prefill, then --new-tokens decode steps with the KV
-  cache. Shardstream with O_DIRECT (its choice under the cap) and through the page cache, on the
+  cache. Shardstream reading past the page cache (its choice under the cap: read and dropped on a CPU) and mapped (kept), on the
   4-bit store of the same checkpoint (resident-4bit), accelerate disk offload, and AirLLM 4.0 when
   `--airllm` names the python of its own venv. The cgroup's peak is each run's, loading included.
 - serve: N concurrent greedy requests (`--batches`) to one capped `shardstream serve
@@ -96,11 +96,13 @@ def work_dir(args) -> Path:
 def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
     from transformers import AutoModelForCausalLM
 
-    if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache (SHARDSTREAM_DIRECT_IO=off)
+    if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache kept; "-direct": O_DIRECT
         from shardstream.stream import AutoModel
 
         if mode.endswith("-mapped"):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "off"
+        if mode.endswith("-direct"):
+            os.environ["SHARDSTREAM_DIRECT_IO"] = "on"
         if mode.endswith("-4bit"):
             store = quantized_store(ckpt, "4bit")
         return AutoModel.from_pretrained(store, max_resident_memory=0 if mode.startswith("stream") else "auto",
@@ -169,7 +171,7 @@ def run_one(mode: str, args) -> dict:
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
     if streaming:
         result["resident"] = len(model.resident_blocks)
-        result["direct"] = model._loader.direct
+        result["reading"] = model._loader.reading
         result["streamed_bytes"] = sum(s.nbytes for i, s in enumerate(model._slots) if i not in model.resident_blocks)
         result["hidden"] = 1.0 - min(wait, read) / read if read else 1.0
         result["read_ms"] = 1e3 * read / args.new_tokens
@@ -531,6 +533,7 @@ def quantized_store(ckpt: Path, method: str) -> Path:
 NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
          "resident": "(b) shardstream defaults (resident budget auto)",
          "resident-mapped": "(b') shardstream defaults, blocks through the page cache (SHARDSTREAM_DIRECT_IO=off)",
+         "resident-direct": "(b'') shardstream defaults, blocks with O_DIRECT (SHARDSTREAM_DIRECT_IO=on)",
          "resident-4bit": "(f) shardstream defaults, the 4-bit store of the same checkpoint",
          "stream-mapped": "(a') pure streaming through the page cache (SHARDSTREAM_DIRECT_IO=off)",
          "accelerate": "(c) accelerate disk offload (offload folder)",
@@ -633,7 +636,7 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
     if any(m.endswith("-4bit") for m in modes):
         quantized_store(ckpt, "4bit")   # converted here, not under the cap
     header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
-              "read / wait / compute ms per token", "resident blocks", "O_DIRECT", "cgroup peak",
+              "read / wait / compute ms per token", "resident blocks", "block reads", "cgroup peak",
               "peak loading / decoding MiB", "load avg"]
     rows, ratios = [], collections.defaultdict(list)
     for round_ in range(1, args.repeat + 1):
@@ -655,7 +658,7 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
                      if "read_ms" in result else "")
             rows.append([str(round_), NAMES[mode], f"{result['decode']:.2f}", f"{floor:.2f}",
                          f"{result['decode'] / floor:.2f}x", read, times, str(result.get("resident", "")),
-                         str(result.get("direct", "")), result.get("peak", ""),
+                         str(result.get("reading", "")), result.get("peak", ""),
                          f"{result['load_peak_mib']} / {result['decode_peak_mib']}" if "load_peak_mib" in result else "",
                          f"{os.getloadavg()[0]:.1f}"])
     if not args.airllm:

@@ -1,8 +1,11 @@
-"""Reading streamed blocks with O_DIRECT (stream/direct.py): same logits as mapping, checksums still
-checked on the first read, quantized stores, and a clean fallback where the filesystem refuses it."""
+"""Reading streamed blocks past the page cache (stream/direct.py), with O_DIRECT or read and dropped: same
+logits as mapping, checksums still checked on the first read, quantized stores, nothing of the blocks
+left in the page cache, and a clean fallback where the filesystem refuses O_DIRECT."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 import subprocess
@@ -14,7 +17,7 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.store import open_store
 from shardstream.stream import AutoModel
-from shardstream.stream.direct import ENV, use_direct
+from shardstream.stream.direct import ENV, block_reading
 from tiny_models import save_checkpoint
 
 IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
@@ -38,16 +41,49 @@ def run(store, mode, monkeypatch):
         model.close()
 
 
+@pytest.mark.parametrize("mode, reading", [("on", "direct"), ("dropped", "dropped")])
 @pytest.mark.parametrize("compression", [None, "4bit", "8bit"])
-def test_direct_reads_give_the_same_logits_as_mapping(tmp_path, monkeypatch, compression):
+def test_reads_past_the_cache_give_the_same_logits_as_mapping(tmp_path, monkeypatch, compression, mode, reading):
     store = build(tmp_path, compression)
     mapped_logits, mapped_out, mapped = run(store, "off", monkeypatch)
-    direct_logits, direct_out, direct = run(store, "on", monkeypatch)
-    assert not mapped.direct and direct.direct  # ext4 (or any disk filesystem) takes O_DIRECT
+    got_logits, got_out, loader = run(store, mode, monkeypatch)
+    assert mapped.reading == "mapped" and loader.reading == reading  # ext4 (or any disk filesystem) takes O_DIRECT
     # every block read went into one of two reused buffers (and was dequantized into one of two more)
-    assert 1 <= direct._pool.allocated <= (4 if compression else 2)
-    assert torch.equal(mapped_logits, direct_logits)
-    assert torch.equal(mapped_out, direct_out)
+    assert 1 <= loader._pool.allocated <= (4 if compression else 2)
+    assert torch.equal(mapped_logits, got_logits)
+    assert torch.equal(mapped_out, got_out)
+
+
+def _cached_pages(path) -> int:
+    """Pages of the file in the page cache (mincore on a private mapping of it, never written)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    anchor = ctypes.c_char.from_buffer(mapping)
+    status = ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size),
+                                                       vector)
+    del anchor
+    mapping.close()
+    assert status == 0, os.strerror(ctypes.get_errno())
+    return sum(byte & 1 for byte in vector)
+
+
+@pytest.mark.parametrize("mode", ["dropped", "on"])
+def test_blocks_read_past_the_cache_leave_no_pages_there(tmp_path, monkeypatch, mode):
+    """Read through the page cache and dropped, or read with O_DIRECT, a streamed block's file is not left
+    in the page cache (under a cap that counts the cache, nothing to reclaim); mapped, it all is."""
+    store = build(tmp_path)
+    files = [store / f for p, rec in open_store(store).manifest.parts.items() if p.startswith("mid/") for f in rec.files]
+    for mode_, left in (("off", True), (mode, False)):
+        for path in files:   # start cold
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        run(store, mode_, monkeypatch)
+        cached = sum(_cached_pages(path) for path in files)
+        total = sum(-(-os.path.getsize(path) // mmap.PAGESIZE) for path in files)
+        assert (cached == total) if left else cached <= len(files), (mode_, cached, total)
 
 
 def test_direct_reads_reuse_a_few_buffers(tmp_path, monkeypatch):
@@ -100,12 +136,14 @@ def test_falls_back_to_mapping_where_o_direct_is_refused(tmp_path, ramfs, monkey
 def test_auto_keeps_the_page_cache_when_the_blocks_fit(tmp_path, monkeypatch):
     store = open_store(build(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
-    assert not use_direct(store)  # a tiny model: a warm page cache beats reading it again
-    assert use_direct(store, "on") and not use_direct(store, "off")
+    assert block_reading(store) == "mapped"  # a tiny model: a warm page cache beats reading it again
+    # blocks larger than the memory: read and dropped on a CPU, O_DIRECT where copies cost more
+    assert block_reading(store, memory=0) == "dropped" and block_reading(store, memory=0, copy_free=True) == "direct"
+    assert [block_reading(store, mode, memory=0) for mode in ("on", "off", "dropped")] == ["direct", "mapped", "dropped"]
 
 
 def test_unknown_mode_is_refused_with_the_variable_named(tmp_path, monkeypatch):
     store = open_store(build(tmp_path))
     monkeypatch.setenv(ENV, "sometimes")
-    with pytest.raises(InvalidOption, match=r"SHARDSTREAM_DIRECT_IO must be one of auto, on, off, not 'sometimes'"):
-        use_direct(store)
+    with pytest.raises(InvalidOption, match=r"SHARDSTREAM_DIRECT_IO must be one of auto, on, off, dropped, not 'sometimes'"):
+        block_reading(store)

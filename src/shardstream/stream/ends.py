@@ -24,7 +24,7 @@ from torch import nn
 from ..store import Store
 from ..store.dtypes import TORCH_DTYPES
 from ..store.reader import read_spans
-from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_direct
+from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_unkept
 from .linear import flat_linear
 from .mapped import verify_mapped
 from .weights import WeightMapper
@@ -121,15 +121,16 @@ class Ends:
         rows = self.embedding is not None and not (self.tied and self.head_resident)
         return ({self.embedding.name} if rows else set()) | ({self.head.name} if not self.head_resident else set())
 
-    def hook(self, pool: BufferPool, capacity: int, direct: bool, verify: bool) -> list:
-        """Put the row reader and the streamed head in place; returns what to remove on close."""
+    def hook(self, pool: BufferPool, capacity: int, reading: str, verify: bool) -> list:
+        """Put the row reader and the streamed head in place (the head read as the loader reads blocks:
+        `reading`, direct.READINGS); returns what to remove on close."""
         handles: list = []
         streamed = self.streamed
         if self.embedding is not None and self.embedding.name in streamed:
             handles += EmbeddingRows(self.store, self.embedding, self.model.get_input_embeddings(), verify).handles
         if self.head is not None and self.head.name in streamed:
             handles.append(StreamedHead(self.store, self.head, self.model.get_output_embeddings(), pool, capacity,
-                                        direct, verify))
+                                        reading, verify))
         return handles
 
 
@@ -143,7 +144,7 @@ class _Verified:
         if not self._pending:
             return
         try:
-            verify_direct(self._store, self._file)
+            verify_unkept(self._store, self._file)
         except DirectUnsupported:
             verify_mapped(self._store, self._file)
         self._pending = False
@@ -197,9 +198,9 @@ class StreamedHead:
     is read while slice k multiplies. The weight slot stays on `meta`; its bias (if any) is resident."""
 
     def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, pool: BufferPool, capacity: int,
-                 direct: bool, verify: bool):
+                 reading: str, verify: bool):
         self._store, self._matrix, self._module, self._pool = store, matrix, module, pool
-        self._capacity, self._direct = capacity, direct
+        self._capacity, self._direct, self._drop = capacity, reading == "direct", reading == "dropped"
         self._verified = _Verified(store, matrix.file, verify)
         rows = max(1, (capacity - 2 * ALIGN) // matrix.row_bytes)
         self.slices = [(r, min(r + rows, matrix.rows)) for r in range(0, matrix.rows, rows)]
@@ -236,10 +237,10 @@ class StreamedHead:
         buffer = self._pool.take(self._capacity)
         try:
             try:
-                read_ranges(self._store, matrix.file, [span], buffer, 0, self._direct)
+                read_ranges(self._store, matrix.file, [span], buffer, 0, self._direct, self._drop)
             except DirectUnsupported:
                 self._direct = False
-                read_ranges(self._store, matrix.file, [span], buffer, 0, False)
+                read_ranges(self._store, matrix.file, [span], buffer, 0, False, self._drop)
         except BaseException:
             self._pool.give([buffer])
             raise

@@ -16,7 +16,7 @@ import torch
 from .. import quant
 from ..store import Store
 from ..store.partfile import tensor_from_bytes
-from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_direct, read_ranges, use_direct, verify_direct
+from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, block_reading, read_direct, read_ranges, verify_unkept
 from .mapped import cool, map_part, map_ranges, spans, verify_mapped
 from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import PIECE_BYTES, Piece
@@ -74,9 +74,10 @@ class BlockLoader:
     giving wrong text; later reads of the same part skip the hash. On CUDA the bytes go through pinned memory and a side stream, so the copy
     overlaps the previous block's compute.
 
-    Blocks (not the resident parts) are read with O_DIRECT into reused buffers instead when they
-    cannot all stay in the page cache (see direct.py; `direct=None` asks `use_direct`); a
-    filesystem that refuses O_DIRECT switches this loader back to mapping for good. On CUDA the
+    Blocks (not the resident parts) are read past the page cache into reused buffers instead when they
+    cannot all stay in it (see direct.py; `reading=None` asks `block_reading`): with O_DIRECT
+    (`direct`), or read and dropped from the cache (`dropped`); a filesystem that refuses O_DIRECT
+    switches this loader back to mapping for good. On CUDA the
     pieces are always read into the pool's buffers, which are page-locked once (through the page
     cache when not direct): the copy to the GPU then goes straight from them. The first pieces that
     fit `host_budget` stay there after their first read (`_reserve`): later tokens only copy them.
@@ -94,9 +95,9 @@ class BlockLoader:
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
-                 experts: bool = True, direct: bool | None = None):
+                 experts: bool = True, reading: str | None = None):
         self.store = store
-        self.direct = use_direct(store) if direct is None else direct
+        self.use_reading(block_reading(store, copy_free=device.type == "cuda") if reading is None else reading)
         self._pool = BufferPool(pin=device.type == "cuda")
         self._experts = experts   # False: experts stored apart are left out (loaded on demand)
         self.mapper = mapper
@@ -128,6 +129,14 @@ class BlockLoader:
         files = self.store.manifest.files
         self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
                                     if p.startswith("mid/") for f in rec.files), default=0)
+
+    def use_reading(self, reading: str) -> None:
+        """Read streamed blocks this way from now on: 'mapped', 'dropped' or 'direct' (direct.READINGS)."""
+        self.direct, self.dropped = reading == "direct", reading == "dropped"
+
+    @property
+    def reading(self) -> str:
+        return "direct" if self.direct else "dropped" if self.dropped else "mapped"
 
     def close(self) -> None:
         self._kept.clear()
@@ -348,7 +357,7 @@ class BlockLoader:
         keep = self._pool.pin and self._reserve(key)
         try:
             located = None
-            if self.direct or self._pool.pin:
+            if self.direct or self.dropped or self._pool.pin:
                 try:
                     located = self._read_piece_into_buffer(key, buffers, keep)
                 except DirectUnsupported:
@@ -386,9 +395,9 @@ class BlockLoader:
             if not self._verify or part in self._verified:
                 return
             for file_name in self.store.part_files(part):
-                if self.direct:
+                if self.direct or self.dropped:
                     try:
-                        verify_direct(self.store, file_name)
+                        verify_unkept(self.store, file_name, self.direct)
                         continue
                     except DirectUnsupported:
                         self.direct = False
@@ -405,7 +414,7 @@ class BlockLoader:
         at = 0
         for file_name, ranges in self._layouts[key]:
             start = at
-            at = read_ranges(self.store, file_name, ranges, buffer, at, self.direct)
+            at = read_ranges(self.store, file_name, ranges, buffer, at, self.direct, drop=self.dropped)
             placed[file_name] = []
             for begin, end in ranges:
                 placed[file_name].append((begin, end, start))

@@ -26,7 +26,7 @@ from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
 from .blocks import StreamedBlocks, fill_block
 from .compute_dtype import parse_compute_dtype
-from .direct import use_direct
+from .direct import block_reading
 from .ends import Ends
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
@@ -115,8 +115,9 @@ class StreamingModel:
         budget = self._fill_resident_parts(mapper, prefixes, place)
         # asked again now that the resident parts are in memory: under a cap they count against it (a 4-bit
         # Llama-3.2-1B's head, dequantized, left its 0.53 GB of blocks no room in the page cache of a 1200 MiB cap)
-        self._loader.direct = self._loader.direct or use_direct(store)
-        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.direct, verify_checksums)
+        if self._loader.reading == "mapped":
+            self._loader.use_reading(block_reading(store, copy_free=self.device.type == "cuda"))
+        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, verify_checksums)
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
         for index in self.resident_blocks:
@@ -303,10 +304,13 @@ class StreamingModel:
         """A batch engine will fill the memory left with KV caches: read the streamed blocks with O_DIRECT
         if 'auto' would have cached them (4-bit blocks that fit in the page cache at load time are then
         evicted and re-read under reclaim every pass: measured 16.9 against 18.7 tok/s for 32 requests
-        under a 600 MiB cap, 373,000 cap hits against none). SHARDSTREAM_DIRECT_IO=off still wins."""
-        if self._loader.direct or not use_direct(self.store, memory=0):
-            return
-        self._loader.direct = True
+        under a 600 MiB cap, 373,000 cap hits against none); O_DIRECT rather than dropped reads, as a
+        batch's pass is compute-bound and O_DIRECT copies nothing on the CPU. SHARDSTREAM_DIRECT_IO=off
+        still wins."""
+        if self._loader.reading != "direct":
+            reading = block_reading(self.store, memory=0, copy_free=True)
+            if reading != "mapped":
+                self._loader.use_reading(reading)
 
     def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
         """Refuse a prompt (plus the tokens to generate) longer than the model's context or `max_seq_len`."""
