@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardstream.convert import convert
 from shardstream.shard import export_tp, load_index
 from shardstream.store import open_store
+from shardstream.stream.model import StreamingModel
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -52,12 +53,30 @@ def _mqa_checkpoint(folder: Path):
     return model
 
 
-def _store(folder: Path, name: str) -> tuple[Path, torch.nn.Module]:
+def _wide_checkpoint(folder: Path):
+    """A llama whose every rank share is whole 4-bit blocks of 64 (o_proj's 64 of 128 columns, down_proj's
+    128 of 256), so that its ranks keep all of their block weights packed."""
+    settings = {**COMMON, **CONFIGS["llama"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+    settings.pop("model_type")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()
+    model.save_pretrained(folder, max_shard_size="400KB")
+    return model
+
+
+def _store(folder: Path, name: str, compression: str | None = None) -> tuple[Path, torch.nn.Module]:
     checkpoint = folder / name / "ckpt"
-    reference = _mqa_checkpoint(checkpoint) if name == "llama-mqa" else save_checkpoint(name, checkpoint)
+    special = {"llama-mqa": _mqa_checkpoint, "llama-wide": _wide_checkpoint}
+    reference = special[name](checkpoint) if name in special else save_checkpoint(name, checkpoint)
     char_tokenizer().save_pretrained(checkpoint)
-    convert(checkpoint, folder / name / "store", progress=False)
+    convert(checkpoint, folder / name / "store", compression=compression, progress=False)
     return folder / name / "store", reference
+
+
+def _block_bytes(store: Path) -> int:
+    """The stored bytes of the store's blocks (codes and scales of quantized tensors)."""
+    return sum(r.length + (r.quant["absmax"]["length"] if r.quant else 0)
+               for r in open_store(store).manifest.tensors.values() if r.part.startswith("mid/"))
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +90,21 @@ def runs(tmp_path_factory):
     convert(folder / "llama" / "ckpt", folder / "llama-sliced", progress=False)
     export_tp(open_store(folder / "llama-sliced"), 2)
     stores["llama-sliced"], references["llama-sliced"] = folder / "llama-sliced", references["llama"]
-    export_tp(open_store(stores["phi3"]), 2)   # its fused slices are one block of rows: not a rank's heads
+    phi3 = folder / "phi3-sliced"
+    convert(folder / "phi3" / "ckpt", phi3, progress=False)
+    export_tp(open_store(phi3), 2)   # each rank file holds the rank's heads and halves of the fused projections
+    stores["phi3-sliced"], references["phi3-sliced"] = phi3, references["phi3"]
+    for name, compression in (("llama-4bit", "4bit"), ("llama-8bit", "8bit")):
+        convert(folder / "llama" / "ckpt", folder / name, compression=compression, progress=False)
+        stores[name], references[name] = folder / name, None
+    stores["llama-wide-4bit"], _ = _store(folder, "llama-wide", "4bit")
+    references["llama-wide-4bit"] = None
     jobs = [{"name": name, "stores": [str(store)] * 2} for name, store in stores.items()]
+    streaming = {"max_resident_memory": 0}
+    jobs += [{"name": f"{name}-streamed", "stores": [str(stores[name])] * 2, "options": streaming}
+             for name in ("llama", "phi3", "phi3-sliced", "llama-4bit", "llama-8bit", "llama-wide-4bit")]
     jobs += [{"name": "llama-bfloat16", "stores": [str(stores["llama"])] * 2, "compute_dtype": "bfloat16"},
+             {"name": "llama-tp-cache", "stores": [str(stores["llama"])] * 2, "options": {"tp_cache": str(folder / "cache")}},
              {"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
              {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]}]
     out = folder / "out"
@@ -83,17 +114,23 @@ def runs(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     results = {job["name"]: [json.loads((out / f"{job['name']}.{rank}.json").read_text()) for rank in (0, 1)]
                for job in jobs}
-    for name in stores:
-        results[name].append(torch.load(out / f"{name}.pt"))
+    for job in jobs:
+        if (out / f"{job['name']}.pt").exists():
+            results[job["name"]].append(torch.load(out / f"{job['name']}.pt"))
     return stores, references, results
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "llama-mqa", "llama-sliced"])
+def _streamed(name: str) -> str:
+    return name.removesuffix("-streamed")
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "llama-mqa", "llama-sliced", "phi3-sliced", "llama-streamed",
+                                  "phi3-streamed", "phi3-sliced-streamed"])
 def test_two_ranks_compute_what_transformers_computes(runs, name):
     _, references, results = runs
     with torch.no_grad():
-        logits = references[name](IDS).logits
-        tokens = references[name].generate(IDS, max_new_tokens=8, do_sample=False)
+        logits = references[_streamed(name)](IDS).logits
+        tokens = references[_streamed(name)].generate(IDS, max_new_tokens=8, do_sample=False)
     ranks = results[name][2]
     assert (ranks["logits"] - logits).abs().max().item() < 1e-4
     assert torch.equal(ranks["tokens"], tokens)
@@ -107,7 +144,62 @@ def test_each_rank_reads_half_of_every_split_tensor_and_all_of_the_norms(runs, n
     norms = sum(r.length for n, r in manifest.tensors.items() if "norm" in n)
     split = sum(r.length for n, r in manifest.tensors.items() if "norm" not in n)
     for rank in (0, 1):
-        assert results[name][rank]["bytes_read"] == split // 2 + norms
+        assert results[name][rank]["share_bytes_read"] == split // 2 + norms
+
+
+@pytest.mark.parametrize("name", ["llama-streamed", "phi3-streamed", "phi3-sliced-streamed", "llama-wide-4bit-streamed"])
+def test_streaming_ranks_read_half_of_every_block_per_pass(runs, name):
+    """max_resident_memory=0: no block stays in memory, and each rank reads its half of every block on every
+    pass (its shares plus the replicated norms)."""
+    stores, _, results = runs
+    blocks = _block_bytes(stores[_streamed(name)])
+    for rank in (0, 1):
+        assert results[name][rank]["resident_blocks"] == 0
+        assert 0.45 * blocks <= results[name][rank]["per_pass"] <= 0.55 * blocks
+
+
+def test_ranks_within_the_default_budget_keep_every_block(runs):
+    _, _, results = runs
+    assert [results["llama"][rank]["resident_blocks"] for rank in (0, 1)] == [4, 4]
+    assert [results["llama"][rank]["per_pass"] for rank in (0, 1)] == [0, 0]
+
+
+@pytest.mark.parametrize("name", ["llama-4bit", "llama-8bit", "llama-wide-4bit", "llama-4bit-streamed",
+                                  "llama-8bit-streamed", "llama-wide-4bit-streamed"])
+def test_quantized_ranks_compute_what_one_process_streaming_the_store_computes(runs, name):
+    stores, _, results = runs
+    with StreamingModel(open_store(stores[_streamed(name)])) as one:
+        logits = one(IDS).logits
+        tokens = one.generate(IDS, max_new_tokens=8, do_sample=False)
+    ranks = results[name][2]
+    assert (ranks["logits"] - logits).abs().max().item() < 1e-4
+    assert torch.equal(ranks["tokens"], tokens)
+
+
+def test_quantized_shares_on_block_boundaries_stay_packed(runs):
+    """Every quantized block weight of the wide 4-bit store is still its codes in each rank's own store (half
+    of them); the tiny llama's o_proj and down_proj columns (16 and 32 of blocks of 64) are dequantized."""
+    stores, _, results = runs
+    store = open_store(stores["llama-wide-4bit"]).manifest.tensors
+    for rank in (0, 1):
+        mine = open_store(results["llama-wide-4bit"][rank]["rank_store"]).manifest.tensors
+        quantized = [n for n, r in store.items() if r.quant and r.part.startswith("mid/")]
+        assert quantized and all(mine[n].quant and mine[n].length * 2 == store[n].length for n in quantized)
+        tiny = open_store(results["llama-4bit"][rank]["rank_store"]).manifest.tensors
+        assert tiny["model.layers.0.self_attn.q_proj.weight"].quant
+        assert not tiny["model.layers.0.self_attn.o_proj.weight"].quant
+
+
+def test_a_rank_writes_its_shares_once_into_its_own_folder(runs):
+    """Beside the store by default, under tp_cache when given; a second opening reads none of the store."""
+    stores, _, results = runs
+    assert [results["llama"][rank]["rank_store"] for rank in (0, 1)] == [
+        str(stores["llama"] / "tp" / f"rank_{rank}_of_2") for rank in (0, 1)]
+    assert [results["llama-streamed"][rank]["share_bytes_read"] for rank in (0, 1)] == [0, 0]
+    cached = [Path(results["llama-tp-cache"][rank]["rank_store"]) for rank in (0, 1)]
+    assert [p.name for p in cached] == ["rank_0_of_2", "rank_1_of_2"]
+    assert cached[0].parent.parent == stores["llama"].parent.parent / "cache"
+    assert results["llama-tp-cache"][0]["share_bytes_read"] == results["llama"][0]["share_bytes_read"]
 
 
 def test_ranks_compute_in_the_compute_dtype_asked_for(runs):
@@ -122,24 +214,25 @@ def test_fewer_kv_heads_than_ranks_reads_the_kv_head_on_both(runs):
     manifest = open_store(stores["llama-mqa"]).manifest
     replicated = sum(r.length for n, r in manifest.tensors.items() if "norm" in n or "k_proj" in n or "v_proj" in n)
     split = sum(r.length for r in manifest.tensors.values()) - replicated
-    assert [results["llama-mqa"][rank]["bytes_read"] for rank in (0, 1)] == [split // 2 + replicated] * 2
+    assert [results["llama-mqa"][rank]["share_bytes_read"] for rank in (0, 1)] == [split // 2 + replicated] * 2
 
 
 def test_exported_slices_are_read_as_the_rank_files(runs):
     stores, _, results = runs
     index = load_index(open_store(stores["llama-sliced"]))
     for rank in (0, 1):
-        files = {s.file for s in index.slices if s.rank == rank and s.count == 2}
-        assert results["llama-sliced"][rank]["bytes_read"] == sum(index.files[f].size for f in files)
+        mine = sum(s.length for s in index.slices if s.rank == rank and s.count == 2)
+        assert results["llama-sliced"][rank]["share_bytes_read"] == 0
+        assert results["llama-sliced"][rank]["bytes_read"] == mine   # every block resident: read once
+        assert results["llama-sliced"][rank]["rank_store"] == str(stores["llama-sliced"])
 
 
-def test_fused_projections_are_read_by_heads_even_where_slices_were_exported(runs):
+def test_exported_fused_projections_are_read_from_the_rank_files(runs):
+    """`shard --tp 2` wrote each phi3 rank its heads and halves: the ranks stream those files."""
     stores, _, results = runs
-    manifest = open_store(stores["phi3"]).manifest
-    assert manifest.sharding
-    norms = sum(r.length for n, r in manifest.tensors.items() if "norm" in n)
-    split = sum(r.length for n, r in manifest.tensors.items() if "norm" not in n)
-    assert [results["phi3"][rank]["bytes_read"] for rank in (0, 1)] == [split // 2 + norms] * 2
+    for name in ("phi3-sliced", "phi3-sliced-streamed"):
+        assert [results[name][rank]["share_bytes_read"] for rank in (0, 1)] == [0, 0]
+        assert [results[name][rank]["rank_store"] for rank in (0, 1)] == [str(stores["phi3-sliced"])] * 2
 
 
 def test_sampling_draws_the_same_tokens_on_every_rank(runs):
@@ -162,14 +255,14 @@ def test_a_rank_whose_store_has_other_slices_is_refused(runs):
         assert message.startswith(f"{stores['llama-sliced']} holds TP slices for 2 ranks but {stores['llama']} does not")
 
 
-def test_generate_command_prints_the_greedy_text_once(runs):
+def test_generate_command_streams_the_ranks_and_prints_the_greedy_text_once(runs):
     stores, references, _ = runs
     tokenizer = char_tokenizer()
     ids = tokenizer("Hello", return_tensors="pt")
     expected = references["llama"].generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     text = tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     done = _launch("-m", "shardstream", "generate", str(stores["llama"]), "--tensor-parallel",
-                   "--prompt", "Hello", "--max-new-tokens", "8", "--no-progress")
+                   "--prompt", "Hello", "--max-new-tokens", "8", "--no-progress", "--max-resident-memory", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert text.strip() and done.stdout.strip() == text.strip()
 

@@ -22,7 +22,7 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
 from .manifest import FORMAT_VERSION, FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
-from .partfile import decode_tensor, tensor_from_bytes
+from .partfile import decode_tensor
 
 
 class StoreFiles(Protocol):
@@ -43,7 +43,11 @@ INDEX_NAME = "sharding.json"
 
 @dataclass
 class SliceRecord:
-    """One rank's slice of one tensor; `split_dim` is None for a replicated tensor."""
+    """One rank's slice of one tensor; `split_dim` is None for a replicated tensor. `ranges`: the
+    [start, stop) ranges along `split_dim` the slice concatenates (a tensor-parallel rank's share:
+    heads and halves of fused projections, replicated KV heads); None in indexes written before them,
+    whose slices are one equal block each. `quant`: the codes' quantization (as in the manifest), when
+    the slice was kept quantized."""
 
     tensor: str
     part: str
@@ -55,6 +59,8 @@ class SliceRecord:
     file: str
     offset: int
     length: int
+    ranges: list[list[int]] | None = None
+    quant: dict | None = None
 
 
 @dataclass
@@ -238,4 +244,10 @@ def load_tp(store: StoreFiles, part: str, tp_rank: int, tp_size: int, device: st
         )
     name = records[0].file
     data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
-    return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}
+    return {s.tensor: decode_tensor(data, 0, slice_tensor_record(s)).to(device) for s in records}
+
+
+def slice_tensor_record(record: SliceRecord) -> TensorRecord:
+    """The slice as a manifest tensor record (its part, file, bytes and quantization)."""
+    return TensorRecord(part=record.part, file=record.file, dtype=record.dtype, shape=record.shape,
+                        offset=record.offset, length=record.length, quant=record.quant)

@@ -58,10 +58,12 @@ def check_device(device: str) -> None:
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
                max_host_memory: str = "auto", converting: Converting | None = None,
-               compute_dtype: str = "auto") -> StreamingModel:
+               compute_dtype: str = "auto", tensor_parallel: bool = False,
+               tp_cache: str | None = None) -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
-    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
+    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py).
+    `tensor_parallel`: this process is one rank (docs/TENSOR_PARALLEL.md), writing its shares under `tp_cache`."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
@@ -81,7 +83,8 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          token=converting.hf_token, revision=converting.revision,
                                          max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                         max_host_memory=host, compute_dtype=compute_dtype)
+                                         max_host_memory=host, compute_dtype=compute_dtype,
+                                         tensor_parallel=tensor_parallel, tp_cache=tp_cache)
 
 
 @contextlib.contextmanager
