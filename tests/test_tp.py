@@ -17,9 +17,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
+from shardstream.errors import InvalidOption
 from shardstream.shard import export_tp, load_index
 from shardstream.store import open_store
+from shardstream.stream.meta import build_meta_model
 from shardstream.stream.model import StreamingModel
+from shardstream.tp.rankstore import exported_view, rank_folder, rank_shares
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -276,3 +279,71 @@ def test_tensor_parallel_outside_torchrun_is_one_sentence(runs):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set; start it with `torchrun" in " ".join(done.stderr.split())
+
+
+def _exported(tmp_path: Path, family: str) -> Path:
+    save_checkpoint(family, tmp_path / family / "ckpt")
+    convert(tmp_path / family / "ckpt", tmp_path / family / "store", progress=False)
+    export_tp(open_store(tmp_path / family / "store"), 2)
+    return tmp_path / family / "store"
+
+
+def _shares(root: Path, rank: int) -> dict:
+    store = open_store(root)
+    return rank_shares(store, build_meta_model(store, None), rank, 2)[0]
+
+
+def test_an_export_without_ranges_is_read_only_where_its_blocks_are_the_shares(tmp_path):
+    """An index written before slices had `ranges` holds one equal block of rows per rank: a llama's are
+    its ranks' shares; phi3's fused projections are not (its ranks then write their own shares)."""
+    for family, usable in (("llama", True), ("phi3", False)):
+        root = _exported(tmp_path, family)
+        store = open_store(root)
+        index = load_index(store, for_update=True)
+        for record in index.slices:
+            record.ranges = None
+        index.save(store)
+        assert (exported_view(open_store(root), _shares(root, 1), 1, 2) is not None) == usable
+
+
+def test_a_rank_folder_that_cannot_be_written_is_one_sentence(tmp_path):
+    root = _exported(tmp_path, "llama")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidOption) as refused:
+        rank_folder(open_store(root), _shares(root, 0), 0, 2, "f" * 32, tmp_path / "file" / "cache")
+    assert str(refused.value) == (
+        f"rank 0 cannot write its shares to {tmp_path}/file/cache/{'f' * 16}/rank_0_of_2 (Not a directory); pass a "
+        f"writable folder as tp_cache (--tp-cache), or export the shares once with `shardstream shard {root} --tp 2`.")
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from shardstream.store import open_store
+from shardstream.stream.meta import build_meta_model
+from shardstream.tp import rankstore
+written = []
+def write_then_die(path, encoded, original=rankstore.write_encoded):
+    if len(written) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)   # after the third part's file, before its manifest entry
+    written.append(path)
+    return original(path, encoded)
+rankstore.write_encoded = write_then_die
+store = open_store(sys.argv[1])
+shares = rankstore.rank_shares(store, build_meta_model(store, None), 0, 2)[0]
+rankstore.rank_folder(store, shares, 0, 2, "f" * 32, sys.argv[2])
+"""
+
+
+def test_a_rank_killed_while_writing_its_shares_resumes(tmp_path):
+    """SIGKILLed after three parts' files, a rank's folder keeps them; the next start writes the rest only,
+    and ends with the files of a run never killed."""
+    root = _exported(tmp_path, "llama")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(root), str(tmp_path / "cache")], env=env,
+                            capture_output=True, timeout=300)
+    assert killed.returncode == -9
+    store = open_store(root)
+    resumed, read = rank_folder(store, _shares(root, 0), 0, 2, "f" * 32, tmp_path / "cache")
+    fresh, everything = rank_folder(store, _shares(root, 0), 0, 2, "e" * 32, tmp_path / "cache")
+    assert 0 < read < everything
+    assert resumed.manifest.files == fresh.manifest.files and resumed.manifest.tensors == fresh.manifest.tensors

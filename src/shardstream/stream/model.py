@@ -446,12 +446,18 @@ class AutoModel:
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel
 
+            if experts != "with_block":
+                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
+
         streaming = dict(prefetching=prefetching, prefetch_depth=prefetch_depth,
                          max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
                          verify_checksums=verify_checksums, compute_dtype=compute_dtype, piece_bytes=piece_bytes,
                          max_host_memory=max_host_memory, max_seq_len=max_seq_len)
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel
+
+            if experts != "with_block":
+                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
 
             return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
         if tp_cache is not None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from torch import nn
 
 from ..atomic import copy_file_atomic
-from ..errors import StoreIncomplete
+from ..errors import InvalidOption, StoreIncomplete
 from ..store.manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from ..store.partfile import EncodedPart, encode_stored
 from ..store.reader import Store
@@ -67,7 +67,13 @@ def rank_folder(store: Store, shares: dict[str, Take], rank: int, size: int, fin
     manifest = _resumable(folder, origin)
     if manifest is not None and manifest.complete:
         return Store(folder, manifest), 0
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidOption(
+            f"rank {rank} cannot write its shares to {folder} ({error.strerror}); pass a writable folder as "
+            f"tp_cache (--tp-cache), or export the shares once with `shardstream shard {store.root} --tp {size}`."
+        ) from None
     for name in sorted(os.listdir(store.root)):   # config, generation config and tokenizer files
         if name not in (MANIFEST_NAME, INDEX_NAME) and not name.startswith(".") and (store.root / name).is_file():
             copy_file_atomic(store.root / name, folder / name)
@@ -96,7 +102,7 @@ def _resumable(folder: Path, origin: dict) -> Manifest | None:
     the parts whose files are all there at their recorded size; else None (the folder is written anew)."""
     try:
         manifest = load_manifest(folder)
-    except (StoreIncomplete, ValueError):
+    except (OSError, StoreIncomplete, ValueError):   # none there, unreadable or damaged: written anew
         return None
     if manifest.source_fingerprint != origin:
         return None
