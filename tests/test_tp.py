@@ -21,7 +21,7 @@ from shardstream.errors import InvalidOption
 from shardstream.shard import export_tp, load_index
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
-from shardstream.stream.model import StreamingModel
+from shardstream.stream.model import AutoModel, StreamingModel
 from shardstream.tp.rankstore import exported_view, rank_folder, rank_shares
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
@@ -347,3 +347,9 @@ def test_a_rank_killed_while_writing_its_shares_resumes(tmp_path):
     fresh, everything = rank_folder(store, _shares(root, 0), 0, 2, "e" * 32, tmp_path / "cache")
     assert 0 < read < everything
     assert resumed.manifest.files == fresh.manifest.files and resumed.manifest.tensors == fresh.manifest.tensors
+
+
+def test_tensor_parallel_with_experts_on_demand_is_one_sentence(tmp_path):
+    root = _exported(tmp_path, "llama")
+    with pytest.raises(InvalidOption, match="experts='on_demand' cannot be combined with tensor_parallel=True; leave it out"):
+        AutoModel.from_pretrained(str(root), tensor_parallel=True, experts="on_demand", progress=False)

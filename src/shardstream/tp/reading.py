@@ -71,49 +71,48 @@ class ShareReader:
         """The share's bytes and record: as stored (codes and scales for a quantized share on block
         boundaries), else dequantized and sliced; zeros where the rank holds zeros."""
         shape = full_shape(record)
-        out_shape = share_shape(shape, share)
         if share.zeros:
             return _dense(torch.zeros(shape, dtype=TORCH_DTYPES[record.dtype]))
         ranges = element_ranges(shape, share)
         if record.quant and on_blocks(record, ranges):
-            return self._codes(record, ranges, out_shape)
-        if record.quant:
-            whole = quant.dequantize(*self._codes(record, element_ranges(shape, Take(None)), shape, tensors=True),
-                                     record.quant).view(shape)
-            return _dense(_slice(whole, share))
+            buffer, scale_bytes = self._codes(record, ranges)
+            scales = {**record.quant["absmax"], "offset": 0, "shape": [scale_bytes // _scale_item(record)]}
+            quantized = {**record.quant, "shape": share_shape(shape, share), "absmax": scales}
+            return buffer, {"offset": scale_bytes, "dtype": record.dtype, "shape": [len(buffer) - scale_bytes],
+                            "quant": quantized}
+        if record.quant:   # the share cuts through blocks: the whole tensor's codes, dequantized, then sliced
+            buffer, scale_bytes = self._codes(record, element_ranges(shape, Take(None)))
+            scales = torch.frombuffer(buffer, dtype=TORCH_DTYPES[record.quant["absmax"]["dtype"]],
+                                      count=scale_bytes // _scale_item(record))
+            codes = torch.frombuffer(buffer, dtype=torch.uint8, offset=scale_bytes, count=len(buffer) - scale_bytes)
+            return _dense(_slice(quant.dequantize(codes, scales, record.quant).view(shape), share))
         item = TORCH_DTYPES[record.dtype].itemsize
         buffer = bytearray(sum(stop - start for start, stop in ranges) * item)
         self._read(record, [(record.offset + start * item, (stop - start) * item) for start, stop in ranges], buffer)
-        return buffer, {"offset": 0, "dtype": record.dtype, "shape": out_shape}
+        return buffer, {"offset": 0, "dtype": record.dtype, "shape": share_shape(shape, share)}
 
-    def _codes(self, record: TensorRecord, ranges: list[tuple[int, int]], out_shape: list[int], tensors: bool = False):
-        """The codes and scales of these element ranges, which lie on block boundaries: the scales first
-        (float32, aligned at 0), then the codes."""
+    def _codes(self, record: TensorRecord, ranges: list[tuple[int, int]]) -> tuple[bytearray, int]:
+        """The scales, then the codes, of these element ranges (on block boundaries) in one buffer (the
+        scales first: aligned at 0 for their dtype); and the scales' length in bytes."""
         meta = record.quant
-        per, size = _CODES_PER_BYTE[meta["method"]], meta["blocksize"]
-        scales = meta["absmax"]
-        scale_item = TORCH_DTYPES[scales["dtype"]].itemsize
-        scale_spans = [(scales["offset"] + start // size * scale_item, (-(-stop // size) - start // size) * scale_item)
+        per, size, item = _CODES_PER_BYTE[meta["method"]], meta["blocksize"], _scale_item(record)
+        scale_spans = [(meta["absmax"]["offset"] + start // size * item, (-(-stop // size) - start // size) * item)
                        for start, stop in ranges]
         code_spans = [(record.offset + start // per, -(-stop // per) - start // per) for start, stop in ranges]
         scale_bytes = sum(n for _, n in scale_spans)
-        code_bytes = sum(n for _, n in code_spans)
-        buffer = bytearray(scale_bytes + code_bytes)
+        buffer = bytearray(scale_bytes + sum(n for _, n in code_spans))
         view = memoryview(buffer)
         self._read(record, scale_spans, view[:scale_bytes])
         self._read(record, code_spans, view[scale_bytes:])
-        scale_shape, code_shape = [scale_bytes // scale_item], [code_bytes]
-        if tensors:
-            return (torch.frombuffer(buffer, dtype=torch.uint8, offset=scale_bytes, count=code_bytes) if code_bytes
-                    else torch.empty(0, dtype=torch.uint8),
-                    torch.frombuffer(buffer, dtype=TORCH_DTYPES[scales["dtype"]], count=scale_shape[0]))
-        quantized = {**{k: v for k, v in meta.items() if k != "absmax"}, "shape": out_shape,
-                     "absmax": {"offset": 0, "dtype": scales["dtype"], "shape": scale_shape}}
-        return buffer, {"offset": scale_bytes, "dtype": record.dtype, "shape": code_shape, "quant": quantized}
+        return buffer, scale_bytes
 
     def _read(self, record: TensorRecord, spans: list[tuple[int, int]], into: bytearray | memoryview) -> None:
         read_spans(self.store.file_path(record.file), spans, memoryview(into))
         self.bytes_read += sum(length for _, length in spans)
+
+
+def _scale_item(record: TensorRecord) -> int:
+    return TORCH_DTYPES[record.quant["absmax"]["dtype"]].itemsize
 
 
 def _slice(tensor: torch.Tensor, share: Take) -> torch.Tensor:
