@@ -21,7 +21,7 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
-from .manifest import FORMAT_VERSION, FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
+from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
 
@@ -39,6 +39,9 @@ class StoreFiles(Protocol):
 
 
 INDEX_NAME = "sharding.json"
+# 2: slices record `ranges` and `quant` (tensor-parallel shares). Version 1 indexes are read as they are; a
+# shardstream that reads only version 1 refuses a version 2 index with a sentence instead of a traceback.
+INDEX_VERSION = 2
 
 
 @dataclass
@@ -82,14 +85,16 @@ class ShardIndex:
     experts: dict[str, ExpertRecord] = field(default_factory=dict)  # "<group>:<expert>" -> record
     files: dict[str, FileRecord] = field(default_factory=dict)     # every TP and expert file (expert paths name their tier)
     parts: dict[str, str] = field(default_factory=dict)   # part -> tier holding its files (same names, under the tier root)
-    format_version: int = FORMAT_VERSION
+    format_version: int = INDEX_VERSION
 
     def to_bytes(self) -> bytes:
         """The self-checksummed index, e.g. for a pipeline stage's own copy."""
         return canonical_json(sealed(asdict(self)))
 
     def save(self, store: StoreFiles) -> None:
-        """Replace the store's index atomically; the first save also points its manifest at it."""
+        """Replace the store's index atomically (as this version writes it); the first save also points its
+        manifest at it."""
+        self.format_version = INDEX_VERSION
         write_json_atomic(Path(store.root) / INDEX_NAME, sealed(asdict(self)))
         if store.manifest.sharding != INDEX_NAME:
             store.manifest.sharding = INDEX_NAME
@@ -98,7 +103,7 @@ class ShardIndex:
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "ShardIndex":
         body = unsealed(json_object(raw, where, "re-run `shardstream shard`"), where, "re-run `shardstream shard`")
-        if body.get("format_version", 1) > FORMAT_VERSION:
+        if body.get("format_version", 1) > INDEX_VERSION:
             raise StoreCorrupt(f"{where} was written by a newer shardstream; upgrade shardstream.")
         index = cls(tiers=body["tiers"], format_version=body.get("format_version", 1))
         index.slices = [SliceRecord(**s) for s in body["slices"]]
