@@ -353,3 +353,11 @@ def test_tensor_parallel_with_experts_on_demand_is_one_sentence(tmp_path):
     root = _exported(tmp_path, "llama")
     with pytest.raises(InvalidOption, match="experts='on_demand' cannot be combined with tensor_parallel=True; leave it out"):
         AutoModel.from_pretrained(str(root), tensor_parallel=True, experts="on_demand", progress=False)
+
+
+def test_tp_cache_without_tensor_parallel_is_one_sentence(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-m", "shardstream", "generate", str(tmp_path), "--prompt", "Hi",
+                           "--tp-cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "--tp-cache goes with --tensor-parallel; leave it out." in " ".join(done.stderr.split())
