@@ -443,12 +443,6 @@ class AutoModel:
                 token=token, revision=revision, progress=progress,
             )
 
-        if tensor_parallel:
-            from ..tp.model import open_tensor_parallel
-
-            if experts != "with_block":
-                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
-
         streaming = dict(prefetching=prefetching, prefetch_depth=prefetch_depth,
                          max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
                          verify_checksums=verify_checksums, compute_dtype=compute_dtype, piece_bytes=piece_bytes,
@@ -458,7 +452,6 @@ class AutoModel:
 
             if experts != "with_block":
                 raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
-
             return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
         if tp_cache is not None:
             raise InvalidOption("tp_cache goes with tensor_parallel=True; leave it out.")
