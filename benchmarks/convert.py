@@ -29,6 +29,9 @@ from pathlib import Path
 import _measure
 from _measure import MB, evict, markdown_table, memory_of_self, run_timed, tree_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from real_shapes import SHAPES, checkpoint_bytes, shape_config, write_config_checkpoint  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE = "bfloat16"
 VOCAB = 32000
@@ -37,70 +40,34 @@ COMPLETE_MARK = ".complete"
 
 # The synthetic checkpoint.
 
-def llama_config(size_bytes: int, hidden: int):
+def llama_config(size_bytes: int, hidden: int) -> dict:
     """A Llama config (GQA, TinyLlama proportions) with as many blocks as reach size_bytes in bf16."""
-    from transformers import LlamaConfig  # only the parent builds checkpoints
-
     heads = hidden // 64
     kv_heads = max(1, heads // 8)
     intermediate = 256 * round(2.75 * hidden / 256)
     kv_dim = kv_heads * 64
     block = 2 * (2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * intermediate + 2 * hidden)
     ends = 2 * (2 * VOCAB * hidden + hidden)
-    return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=max(1, round((size_bytes - ends) / block)), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, tie_word_embeddings=False, dtype=DTYPE,
-    )
+    return dict(model_type="llama", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=max(1, round((size_bytes - ends) / block)), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-5)
 
 
-def build_checkpoint(work: Path, size_gb: float, hidden: int, shard_mb: int | None) -> Path:
-    """Write (or reuse) the checkpoint: names and shapes from transformers' own LlamaForCausalLM on
-    the meta device, random values written straight to safetensors one shard at a time (the way
-    save_pretrained(max_shard_size=...) packs them), so memory never holds more than one shard."""
-    import safetensors.torch
-    import torch
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(int(size_gb * 1e9), hidden)
-    shard_bytes = (shard_mb * MB) if shard_mb else int(size_gb * 1e9 / 5)
-    folder = work / f"llama-h{hidden}-L{config.num_hidden_layers}-{DTYPE}-shard{shard_bytes // MB}MB"
+def build_checkpoint(work: Path, size_gb: float, hidden: int, shard_mb: int | None, shape: str | None) -> Path:
+    """Write (or reuse) the checkpoint (scripts/real_shapes.py: random values written straight to safetensors
+    one shard at a time, so memory never holds more than one shard): a real model's config (`shape`, in four
+    shards as the Hub publishes 7B models, unless --shard-mb), else a Llama of `size_gb` in five shards."""
+    config = shape_config(shape) if shape else llama_config(int(size_gb * 1e9), hidden)
+    total = checkpoint_bytes(config)
+    shard_bytes = (shard_mb * MB) if shard_mb else -(-total // (4 if shape else 5))
+    name = shape or f"llama-h{hidden}-L{config['num_hidden_layers']}"
+    folder = work / f"{name}-{DTYPE}-shard{shard_bytes // MB}MB"
     if (folder / COMPLETE_MARK).exists():
         return folder
-    with torch.device("meta"):
-        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
-    shards: list[list[str]] = [[]]
-    filled = 0
-    for name, shape in shapes.items():
-        nbytes = shape.numel() * 2
-        if shards[-1] and filled + nbytes > shard_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
-        filled += nbytes
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for number, names in enumerate(shards, 1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: _random_weight(n, shapes[n], generator) for n in names}
-        safetensors.torch.save_file(tensors, folder / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-    total = sum(s.numel() * 2 for s in shapes.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config.to_json_file(folder / "config.json")
+    write_config_checkpoint(config, folder, shard_bytes)
     (folder / COMPLETE_MARK).touch()
     return folder
-
-
-def _random_weight(name: str, shape, generator):
-    import torch
-
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    return torch.randn(shape, generator=generator, dtype=torch.bfloat16).mul_(0.02)
 
 
 @dataclass
@@ -285,6 +252,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=1.5, help="checkpoint size (bf16)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size; blocks are added to reach --size-gb")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a real model's config instead (scripts/real_shapes.py), e.g. qwen2.5-7b: 15.2 GB")
     parser.add_argument("--shard-mb", type=int, help="max shard size (default: a fifth of the checkpoint)")
     parser.add_argument("--work", type=Path, default=ROOT / "artifacts/bench/convert-src", help="checkpoint cache")
     parser.add_argument("--scratch", type=Path, default=ROOT / "artifacts/bench/convert-scratch",
@@ -300,7 +269,7 @@ def main() -> None:
     if args.child:
         return child(json.loads(args.child))
 
-    src = build_checkpoint(args.work, args.size_gb, args.hidden, args.shard_mb)
+    src = build_checkpoint(args.work, args.size_gb, args.hidden, args.shard_mb, args.shape)
     shape = checkpoint_shape(src)
     scratch = args.scratch
     scratch.mkdir(parents=True, exist_ok=True)
@@ -346,9 +315,10 @@ def main() -> None:
     import torch
 
     disk_bound = shape.largest_shard + final_disk
+    hidden = json.loads((src / "config.json").read_text())["hidden_size"]
     lines = [
-        f"Synthetic Llama checkpoint, random {DTYPE}: {shape.total / MB:,.0f} MB in {shape.shards} shards "
-        f"(largest {mb(shape.largest_shard)} MB), hidden {args.hidden}, {shape.layers} blocks, largest part "
+        f"Synthetic {args.shape or 'Llama'} checkpoint, random {DTYPE}: {shape.total / MB:,.0f} MB in {shape.shards} "
+        f"shards (largest {mb(shape.largest_shard)} MB), hidden {hidden}, {shape.layers} blocks, largest part "
         f"{mb(shape.largest_part)} MB. Every run starts with its input evicted from the page cache "
         "(fsync + POSIX_FADV_DONTNEED); times exclude interpreter start and imports.",
         f"Machine: {os.cpu_count()} cores ({_measure.cpu_model()}), "

@@ -120,11 +120,16 @@ def write_checkpoint(shape: str, out: Path, layers: int | None = None, shard_byt
                      dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides) -> Path:
     """Write the checkpoint into `out` (made if missing; left as it is when its index is already there).
     `overrides` change config fields (e.g. tie_word_embeddings=False: the same widths with a head of its own)."""
+    return write_config_checkpoint({**shape_config(shape, layers), **overrides}, out, shard_bytes, dtype, seed)
+
+
+def write_config_checkpoint(config: dict, out: Path, shard_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16,
+                            seed: int = 0) -> Path:
+    """The same for any config of these families (fields as in SHAPES): benchmarks size their own models."""
     out = Path(out)
     index_path = out / "model.safetensors.index.json"
     if index_path.exists():
         return out
-    config = {**shape_config(shape, layers), **overrides}
     out.mkdir(parents=True, exist_ok=True)
     itemsize = torch.finfo(dtype).bits // 8
     shards = _shards(tensor_shapes(config), shard_bytes, itemsize)

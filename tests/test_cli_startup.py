@@ -104,3 +104,13 @@ def test_the_command_gives_torch_huge_pages_for_large_tensors_unless_the_user_sa
     assert kept.stdout.split()[0] == "0"
     if "[madvise]" in mode:   # huge pages only where asked for: none without the setting
         assert kept.stdout.split()[1] == "False"
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_importing_shardstream_makes_openmp_threads_sleep_unless_told_otherwise(given, expected):
+    """Before torch loads its OpenMP runtime, so that its threads wait without spinning (see __init__.py);
+    a user's own OMP_WAIT_POLICY stays."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    code = "import os, shardstream; print(os.environ['OMP_WAIT_POLICY'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert result.stdout.strip() == expected

@@ -356,3 +356,17 @@ def test_torch_path_picks_the_nearest_code_ties_low(backend: str, method: str, d
         expected = torch.cat([expected, expected.new_full((x.numel() % 2,), 7)])
         expected = (expected[0::2] << 4) | expected[1::2]
     assert torch.equal(q.data, expected)
+
+
+@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "blocksize"), [((40, 128), 64), ((37, 48), 64), ((9, 16), 32), ((5, 512), 256)])
+def test_dequantize_rows_gives_the_rows_of_the_whole(method: str, dtype: torch.dtype, shape: tuple[int, int],
+                                                      blocksize: int) -> None:
+    """Rows looked up in the codes (a packed embedding) equal those rows of the dequantized matrix, whether the
+    blocks fall on row boundaries or straddle them (the last block partial)."""
+    packed = quant.quantize(torch.randn(*shape).to(dtype), method, blocksize)
+    whole = quant.dequantize(packed.data, packed.absmax, packed.meta)
+    rows = torch.tensor([shape[0] - 1, 0, 3, 3, 1])
+    got = quant.dequantize_rows(packed, rows)
+    assert got.dtype == dtype and torch.equal(got, whole[rows])

@@ -137,14 +137,16 @@ def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):
 @pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, compute):
-    """No Linear weight of the blocks or the head is dequantized on a pass, in either compute dtype; the
-    logits are those of the same store dequantized (the kernel rounds each value to bfloat16, as dequantizing does)."""
+    """No Linear weight of the blocks or the head is dequantized on a pass, in either compute dtype, and of the
+    embedding only the rows of the pass's tokens; the logits are those of the same store dequantized (the
+    kernel rounds each value to bfloat16, as dequantizing does)."""
     _, store = stores("llama", "bfloat16", "4bit")
     with AutoModel.from_pretrained(store, compute_dtype=compute, max_resident_memory=0) as model, torch.no_grad():
         dequantized = linear_dequantizations(monkeypatch)
         got = model(IDS).logits
-        assert dequantized == []
-        assert len(model._loader.packed_keys) == 7 * model.store.num_layers + 1
+        assert dequantized == []   # the embedding's rows (hidden 32, blocks of 64) are cut from 1-D spans of blocks
+        assert model.model.get_input_embeddings().packed is not None
+        assert len(model._loader.packed_keys) == 7 * model.store.num_layers + 2   # and the head, the embedding
         tokens = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
     monkeypatch.undo()
     monkeypatch.setattr(loader, "packable", lambda meta: False)
@@ -153,6 +155,30 @@ def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, co
         want = model(IDS).logits
         assert torch.equal(tokens, model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert got.dtype == want.dtype == getattr(torch, compute)
+    assert (got.float() - want.float()).abs().max().item() <= (1e-4 if compute == "float32" else 2e-2)
+
+
+@pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_tied_4bit_embedding_and_head_are_one_packed_tensor(stores, monkeypatch, compute):
+    """Qwen2's tied embedding/head of a 4-bit store stays as its codes, one tensor serving both ends (no
+    dequantized matrix in memory), and the resident budget counts its packed bytes once; same greedy tokens
+    and logits within rounding as the store dequantized."""
+    _, store = stores("qwen2", "bfloat16", "4bit")
+    with AutoModel.from_pretrained(store, compute_dtype=compute) as model, torch.no_grad():
+        embedding, head = model.model.get_input_embeddings(), model.model.get_output_embeddings()
+        assert embedding.packed is not None and embedding.packed is head.packed
+        assert embedding.weight.device.type == head.weight.device.type == "meta"
+        names = {"model.embed_tokens.weight", "lm_head.weight"}
+        codes = embedding.packed.data.nbytes + embedding.packed.absmax.nbytes
+        assert 2 * embedding.weight.nbytes - model._loader.packing_saves(names, resident=True) == codes
+        got = model(IDS).logits
+        tokens = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    monkeypatch.setattr(loader, "packable", lambda meta: False)
+    with AutoModel.from_pretrained(store, compute_dtype=compute) as model, torch.no_grad():
+        assert model.model.get_input_embeddings().packed is None
+        want = model(IDS).logits
+        assert torch.equal(tokens, model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert (got.float() - want.float()).abs().max().item() <= (1e-4 if compute == "float32" else 2e-2)
 
 

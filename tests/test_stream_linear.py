@@ -11,14 +11,14 @@ from torch import nn
 
 from shardstream.convert import convert
 from shardstream.stream import AutoModel, linear
-from shardstream.stream.linear import FewRowsLinear, use_few_rows_linear
+from shardstream.stream.linear import FewRowsLinear, use_streaming_layers
 from tiny_models import save_checkpoint
 
 
 def _layer(bias: bool, dtype: torch.dtype = torch.float32) -> FewRowsLinear:
     torch.manual_seed(0)
     layer = nn.Linear(96, 40, bias=bias).to(dtype)
-    use_few_rows_linear(layer)
+    use_streaming_layers(layer)
     return layer
 
 
@@ -73,7 +73,7 @@ def test_only_plain_linears_are_turned(tmp_path):
         pass
 
     model = nn.Sequential(nn.Linear(4, 4), Quantized(4, 4), nn.LayerNorm(4))
-    use_few_rows_linear(model)
+    use_streaming_layers(model)
     assert [type(m) for m in model] == [FewRowsLinear, Quantized, nn.LayerNorm]
 
 

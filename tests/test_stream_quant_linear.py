@@ -134,8 +134,9 @@ def store(tmp_path_factory, request):
 @needs_kernel
 @pytest.mark.parametrize("direct", ["on", "off"])
 def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident_where_faster(store, monkeypatch, direct):
-    """Streamed, every Linear of a 4-bit or 8-bit store stays packed; resident, a 4-bit one does, while an
-    8-bit one is dequantized once, at load (quant_linear.PACKED_WHEN_RESIDENT)."""
+    """Streamed, every Linear of a 4-bit or 8-bit store stays packed; resident, a 4-bit one does (and the
+    embedding, looked up in its codes), while an 8-bit one is dequantized once, at load
+    (quant_linear.PACKED_WHEN_RESIDENT)."""
     monkeypatch.setenv("SHARDSTREAM_DIRECT_IO", direct)
     method = open_store(store).manifest.compression
     ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(1))
@@ -145,14 +146,13 @@ def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident_where_
         alone = torch.cat([streamed(ids[i:i + 1]).logits for i in range(len(ids))])
         assert dequantized == []
         blocks = streamed.store.num_layers
-        assert len(streamed._loader.packed_keys) == 7 * blocks + 1   # q, k, v, o, gate, up, down; the head
+        assert len(streamed._loader.packed_keys) == 7 * blocks + 2   # q, k, v, o, gate, up, down; head, embedding
     assert (want - alone).abs().max().item() <= 1e-5   # attention's kernels may round a batch differently
     with AutoModel.from_pretrained(store, max_resident_memory=None) as resident, torch.no_grad():
         assert resident.resident_blocks == list(range(blocks))
         got = resident(ids).logits
-    embedding = [list(resident.model.get_input_embeddings().weight.shape)]
     if method == "4bit":
-        assert dequantized == embedding   # the blocks' Linears and the head stay packed
+        assert dequantized == []   # the blocks' Linears, the head and the embedding stay packed
         assert torch.equal(got, want)
     else:
         assert len(dequantized) == 7 * blocks + 2   # every matrix once, at load

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,15 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption
-from shardstream.shard import export_tp, load_index
+from shardstream.shard import export_tp, load_index, place_experts
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
 from shardstream.stream.model import AutoModel, StreamingModel
-from shardstream.tp.rankstore import exported_view, rank_folder, rank_shares
+from shardstream.tp.rankstore import RankLayout, exported_view, rank_folder, rank_layout
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -45,32 +47,48 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
 
-def _mqa_checkpoint(folder: Path):
-    """The tiny llama with one KV head: fewer KV heads than ranks (replicated on both); its padding
-    id is in rank 1's half of the vocabulary."""
-    settings = {**COMMON, **CONFIGS["llama"], "num_key_value_heads": 1, "pad_token_id": 127}
-    settings.pop("model_type")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()
-    model.save_pretrained(folder, max_shard_size="40KB")
-    return model
+# tiny models beside tests/tiny_models.py's: (model_type and config fields, experts saved fused as 3-D tensors)
+VARIANTS = {
+    # one KV head: fewer KV heads than ranks (replicated on both); its padding id is in rank 1's half of the vocabulary
+    "llama-mqa": ({**CONFIGS["llama"], "num_key_value_heads": 1, "pad_token_id": 127}, False),
+    # a shared expert (replicated) beside the routed ones, q/k/v biases
+    "qwen2_moe": (dict(model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2), False),
+    # experts stored as the model holds them (one [E, 2I, H] and one [E, H, I] tensor per block)
+    "qwen3_moe-fused": (dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             num_experts=4, num_experts_per_tok=2), True),
+    "mixtral-3-experts": ({**CONFIGS["mixtral"], "num_local_experts": 3}, False),
+    # every rank share is whole 4-bit blocks of 64 (o_proj's 64 of 128 columns, down_proj's 128 of 256), so
+    # that its ranks keep all of their block weights packed
+    "llama-wide": ({**CONFIGS["llama"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}, False),
+}
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe-fused", "mixtral-placed"]
+# tensors every rank holds whole: norms, MoE routers, a shared expert
+REPLICATED = re.compile(r"norm|\.gate\.weight|shared_expert")
 
 
-def _wide_checkpoint(folder: Path):
-    """A llama whose every rank share is whole 4-bit blocks of 64 (o_proj's 64 of 128 columns, down_proj's
-    128 of 256), so that its ranks keep all of their block weights packed."""
-    settings = {**COMMON, **CONFIGS["llama"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
-    settings.pop("model_type")
+def _checkpoint(folder: Path, name: str):
+    """VARIANTS[name] with random weights, saved as transformers saves it (MoE experts one tensor per
+    expert) or as the model's own state dict."""
+    settings, fused = VARIANTS[name]
+    settings = {**COMMON, **settings}
+    model_type = settings.pop("model_type")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()
-    model.save_pretrained(folder, max_shard_size="400KB")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).eval()
+    if fused:
+        folder.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+        model.config.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder, max_shard_size="40KB")
     return model
 
 
 def _store(folder: Path, name: str, compression: str | None = None) -> tuple[Path, torch.nn.Module]:
     checkpoint = folder / name / "ckpt"
-    special = {"llama-mqa": _mqa_checkpoint, "llama-wide": _wide_checkpoint}
-    reference = special[name](checkpoint) if name in special else save_checkpoint(name, checkpoint)
+    reference = _checkpoint(checkpoint, name) if name in VARIANTS else save_checkpoint(name, checkpoint)
     char_tokenizer().save_pretrained(checkpoint)
     convert(checkpoint, folder / name / "store", compression=compression, progress=False)
     return folder / name / "store", reference
@@ -82,12 +100,22 @@ def _block_bytes(store: Path) -> int:
                for r in open_store(store).manifest.tensors.values() if r.part.startswith("mid/"))
 
 
+def _split_bytes(store: Path, rank: int) -> int:
+    """What a rank of 2 reads of a store read by offset: half of every split tensor (fused experts too),
+    all of the replicated ones, and its own experts' tensors whole (experts 2 * rank and 2 * rank + 1 of 4)."""
+    tensors = open_store(store).manifest.tensors
+    replicated = sum(r.length for n, r in tensors.items() if r.expert is None and REPLICATED.search(n))
+    split = sum(r.length for n, r in tensors.items() if r.expert is None and not REPLICATED.search(n))
+    experts = sum(r.length for r in tensors.values() if r.expert is not None and r.expert // 2 == rank)
+    return split // 2 + replicated + experts
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every store, its transformers reference, and the ranks' results: (stores, references, results)."""
     folder = tmp_path_factory.mktemp("tp")
     stores, references = {}, {}
-    for name in [*FAMILIES, "llama-mqa"]:
+    for name in [*FAMILIES, "llama-mqa", "mixtral", "qwen2_moe", "qwen3_moe-fused"]:
         stores[name], references[name] = _store(folder, name)
     # the same checkpoint converted again, with slices exported for 2 ranks
     convert(folder / "llama" / "ckpt", folder / "llama-sliced", progress=False)
@@ -102,14 +130,23 @@ def runs(tmp_path_factory):
         stores[name], references[name] = folder / name, None
     stores["llama-wide-4bit"], _ = _store(folder, "llama-wide", "4bit")
     references["llama-wide-4bit"] = None
+    # mixtral with its experts placed on two tiers (one outside the store), then slices exported for 2 ranks
+    convert(folder / "mixtral" / "ckpt", folder / "mixtral-placed", progress=False)
+    place_experts(open_store(folder / "mixtral-placed"), {"hot": ".", "cold": str(folder / "cold")},
+                  placement={(0, 3): "cold", (1, 0): "cold"})
+    export_tp(open_store(folder / "mixtral-placed"), 2)
+    stores["mixtral-placed"], references["mixtral-placed"] = folder / "mixtral-placed", references["mixtral"]
+    three_experts, _ = _store(folder, "mixtral-3-experts")
     jobs = [{"name": name, "stores": [str(store)] * 2} for name, store in stores.items()]
     streaming = {"max_resident_memory": 0}
     jobs += [{"name": f"{name}-streamed", "stores": [str(stores[name])] * 2, "options": streaming}
-             for name in ("llama", "phi3", "phi3-sliced", "llama-4bit", "llama-8bit", "llama-wide-4bit")]
+             for name in ("llama", "phi3", "phi3-sliced", "llama-4bit", "llama-8bit", "llama-wide-4bit", "mixtral",
+                          "qwen3_moe-fused", "mixtral-placed")]
     jobs += [{"name": "llama-bfloat16", "stores": [str(stores["llama"])] * 2, "compute_dtype": "bfloat16"},
              {"name": "llama-tp-cache", "stores": [str(stores["llama"])] * 2, "options": {"tp_cache": str(folder / "cache")}},
              {"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
-             {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]}]
+             {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]},
+             {"name": "mixtral-3-experts", "stores": [str(three_experts)] * 2}]
     out = folder / "out"
     out.mkdir()
     (folder / "jobs.json").write_text(json.dumps([{**job, "out": str(out)} for job in jobs]))
@@ -128,7 +165,8 @@ def _streamed(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, "llama-mqa", "llama-sliced", "phi3-sliced", "llama-streamed",
-                                  "phi3-streamed", "phi3-sliced-streamed"])
+                                  "phi3-streamed", "phi3-sliced-streamed", *MOE,
+                                  "mixtral-streamed", "qwen3_moe-fused-streamed", "mixtral-placed-streamed"])
 def test_two_ranks_compute_what_transformers_computes(runs, name):
     _, references, results = runs
     with torch.no_grad():
@@ -150,7 +188,8 @@ def test_each_rank_reads_half_of_every_split_tensor_and_all_of_the_norms(runs, n
         assert results[name][rank]["share_bytes_read"] == split // 2 + norms
 
 
-@pytest.mark.parametrize("name", ["llama-streamed", "phi3-streamed", "phi3-sliced-streamed", "llama-wide-4bit-streamed"])
+@pytest.mark.parametrize("name", ["llama-streamed", "phi3-streamed", "phi3-sliced-streamed", "llama-wide-4bit-streamed",
+                                  "mixtral-streamed", "qwen3_moe-fused-streamed"])
 def test_streaming_ranks_read_half_of_every_block_per_pass(runs, name):
     """max_resident_memory=0: no block stays in memory, and each rank reads its half of every block on every
     pass (its shares plus the replicated norms)."""
@@ -281,6 +320,40 @@ def test_tensor_parallel_outside_torchrun_is_one_sentence(runs):
     assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set; start it with `torchrun" in " ".join(done.stderr.split())
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe-fused"])
+def test_each_rank_reads_only_its_half_of_the_experts(runs, name):
+    stores, _, results = runs
+    tensors = open_store(stores[name]).manifest.tensors
+    for rank in (0, 1):
+        assert results[name][rank]["share_bytes_read"] == _split_bytes(stores[name], rank)
+    experts = [sum(r.length for r in tensors.values() if r.expert is not None and r.expert // 2 == rank) for rank in (0, 1)]
+    assert experts[0] == experts[1] == sum(r.length for r in tensors.values() if r.expert is not None) // 2
+    assert (experts[0] > 0) == (name != "qwen3_moe-fused")
+
+
+def test_placed_experts_are_read_as_the_rank_s_expert_files_only(runs):
+    """Experts on tiers (one outside the store), dense slices exported for 2 ranks: each rank writes its own
+    store from its shares of the dense part files and the files of its experts, whatever tier they are on
+    (exported slices do not hold a rank's experts)."""
+    stores, _, results = runs
+    index = load_index(open_store(stores["mixtral-placed"]))
+    assert {r.tier for r in index.experts.values()} == {"hot", "cold"}
+    for rank in (0, 1):
+        experts = {r.file for r in index.experts.values() if r.expert // 2 == rank}
+        assert len(experts) == 2 * 3   # 2 experts of each of the 3 blocks
+        expected = _split_bytes(stores["mixtral-placed"], rank) + sum(index.files[f].size for f in experts)
+        assert results["mixtral-placed"][rank]["share_bytes_read"] == expected
+        assert results["mixtral-placed"][rank]["rank_store"] == str(stores["mixtral-placed"] / "tp" / f"rank_{rank}_of_2")
+
+
+def test_a_rank_count_that_does_not_divide_the_experts_is_one_sentence(runs):
+    _, _, results = runs
+    for rank in (0, 1):
+        assert results["mixtral-3-experts"][rank]["refused"] == (
+            "config.json num_local_experts is 3: the experts cannot be split equally over 2 ranks; "
+            "start a number of ranks that divides 3.")
+
+
 def _exported(tmp_path: Path, family: str) -> Path:
     save_checkpoint(family, tmp_path / family / "ckpt")
     convert(tmp_path / family / "ckpt", tmp_path / family / "store", progress=False)
@@ -288,9 +361,9 @@ def _exported(tmp_path: Path, family: str) -> Path:
     return tmp_path / family / "store"
 
 
-def _shares(root: Path, rank: int) -> dict:
+def _layout(root: Path, rank: int) -> RankLayout:
     store = open_store(root)
-    return rank_shares(store, build_meta_model(store, None), rank, 2)[0]
+    return rank_layout(store, build_meta_model(store, None), rank, 2)
 
 
 def test_an_export_without_ranges_is_read_only_where_its_blocks_are_the_shares(tmp_path):
@@ -303,14 +376,14 @@ def test_an_export_without_ranges_is_read_only_where_its_blocks_are_the_shares(t
         for record in index.slices:
             record.ranges = None
         index.save(store)
-        assert (exported_view(open_store(root), _shares(root, 1), 1, 2) is not None) == usable
+        assert (exported_view(open_store(root), _layout(root, 1), 1, 2) is not None) == usable
 
 
 def test_a_rank_folder_that_cannot_be_written_is_one_sentence(tmp_path):
     root = _exported(tmp_path, "llama")
     (tmp_path / "file").write_text("")
     with pytest.raises(InvalidOption) as refused:
-        rank_folder(open_store(root), _shares(root, 0), 0, 2, "f" * 32, tmp_path / "file" / "cache")
+        rank_folder(open_store(root), _layout(root, 0), 0, 2, "f" * 32, tmp_path / "file" / "cache")
     assert str(refused.value) == (
         f"rank 0 cannot write its shares to {tmp_path}/file/cache/{'f' * 16}/rank_0_of_2 (Not a directory); pass a "
         f"writable folder as tp_cache (--tp-cache), or export the shares once with `shardstream shard {root} --tp 2`.")
@@ -329,8 +402,8 @@ def write_then_die(path, encoded, original=rankstore.write_encoded):
     return original(path, encoded)
 rankstore.write_encoded = write_then_die
 store = open_store(sys.argv[1])
-shares = rankstore.rank_shares(store, build_meta_model(store, None), 0, 2)[0]
-rankstore.rank_folder(store, shares, 0, 2, "f" * 32, sys.argv[2])
+layout = rankstore.rank_layout(store, build_meta_model(store, None), 0, 2)
+rankstore.rank_folder(store, layout, 0, 2, "f" * 32, sys.argv[2])
 """
 
 
@@ -343,8 +416,8 @@ def test_a_rank_killed_while_writing_its_shares_resumes(tmp_path):
                             capture_output=True, timeout=300)
     assert killed.returncode == -9
     store = open_store(root)
-    resumed, read = rank_folder(store, _shares(root, 0), 0, 2, "f" * 32, tmp_path / "cache")
-    fresh, everything = rank_folder(store, _shares(root, 0), 0, 2, "e" * 32, tmp_path / "cache")
+    resumed, read = rank_folder(store, _layout(root, 0), 0, 2, "f" * 32, tmp_path / "cache")
+    fresh, everything = rank_folder(store, _layout(root, 0), 0, 2, "e" * 32, tmp_path / "cache")
     assert 0 < read < everything
     assert resumed.manifest.files == fresh.manifest.files and resumed.manifest.tensors == fresh.manifest.tensors
 

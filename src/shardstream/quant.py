@@ -283,6 +283,29 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     return out.view(shape)
 
 
+def dequantize_rows(tensor: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a quantized matrix, dequantized (the values `dequantize` gives them): an embedding kept
+    packed looks up a pass's tokens without the whole matrix in memory. A row whose blocks it shares with its
+    neighbours (blocksize not dividing the row) is cut from the blocks covering it."""
+    method, blocksize, shape, dtype = _parse_meta(tensor.meta)
+    cols = shape[-1]
+    per_byte = _CODES_PER_BYTE[method]
+    rows = rows.reshape(-1).long()
+    if cols % blocksize == 0 and cols % per_byte == 0:
+        data = tensor.data.view(-1, cols // per_byte).index_select(0, rows)
+        absmax = tensor.absmax.view(-1, cols // blocksize).index_select(0, rows)
+        return dequantize(data, absmax, {**tensor.meta, "shape": [len(rows), cols]})
+    out = torch.empty(len(rows), cols, dtype=dtype)
+    total = math.prod(shape)
+    for i, row in enumerate(rows.tolist()):
+        first, stop = row * cols // blocksize, -(-(row + 1) * cols // blocksize)
+        begin, end = first * blocksize, min(stop * blocksize, total)   # the covering blocks' elements
+        data = tensor.data[begin // per_byte: -(-end // per_byte)]
+        values = dequantize(data, tensor.absmax[first:stop], {**tensor.meta, "shape": [end - begin]})
+        out[i] = values[row * cols - begin: (row + 1) * cols - begin]
+    return out
+
+
 def dequantized_nbytes(meta: dict) -> int:
     """Bytes `dequantize` returns for this (checked) meta: what a caller's `out` buffer must hold."""
     _, _, shape, dtype = _parse_meta(meta)

@@ -69,9 +69,9 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
         raise InvalidOption(f"--tp must be at least 1, got {size}; pass the number of ranks.")
     index = load_index(store, for_update=True)
     index.slices = [s for s in index.slices if s.count != size]
-    shares = _rank_shares(store, size)
-    if shares is not None:
-        _export_shares(store, size, shares, index)
+    layouts = _rank_layouts(store, size)
+    if layouts is not None:
+        _export_shares(store, size, layouts, index)
         index.save(store)
         return index.slices
     experts = store.expert_tensor_names()
@@ -93,24 +93,27 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
     return index.slices
 
 
-def _rank_shares(store: Store, size: int) -> list[dict] | None:
-    """Each rank's shares where tensor-parallel ranks run the store's family (None otherwise). A
-    row-parallel bias is exported whole to every rank, as a replicated tensor (the rank that must not
-    add it reads its own shares instead: tp/rankstore.exported_view)."""
+def _rank_layouts(store: Store, size: int) -> list | None:
+    """Each rank's shares where tensor-parallel ranks run the store's family (None otherwise), MoE experts
+    left out. A row-parallel bias is exported whole to every rank, as a replicated tensor (the rank that
+    must not add it writes its own shares instead: tp/rankstore.exported_view)."""
     from ..stream.meta import build_meta_model
     from ..tp.layout import WHOLE, tp_roles
-    from ..tp.rankstore import rank_shares
+    from ..tp.rankstore import rank_layout
 
     try:
         model = build_meta_model(store, None)
         tp_roles(model)
     except UnsupportedModel:
         return None
-    shares = [rank_shares(store, model, rank, size)[0] for rank in range(size)]
-    return [{key: WHOLE if share.zeros else share for key, share in mine.items()} for mine in shares]
+    layouts = [rank_layout(store, model, rank, size) for rank in range(size)]
+    for layout in layouts:
+        layout.shares = {key: WHOLE if share.zeros else share for key, share in layout.shares.items()
+                         if key not in layout.experts.stored}
+    return layouts
 
 
-def _export_shares(store: Store, size: int, shares: list[dict], index) -> None:
+def _export_shares(store: Store, size: int, layouts: list, index) -> None:
     """Every part's rank files, each holding exactly its rank's shares (tp/rankstore.py)."""
     from ..tp.rankstore import encode_rank_part
     from ..tp.reading import ShareReader
@@ -118,12 +121,12 @@ def _export_shares(store: Store, size: int, shares: list[dict], index) -> None:
     reader = ShareReader(store)
     for part in store.parts:
         for rank in range(size):
-            encoded = encode_rank_part(store, part, shares[rank], reader)
+            encoded = encode_rank_part(store, part, layouts[rank], reader, experts=False)
             name = tp_file(part, rank, size)
             digest = write_encoded(store.root / name, encoded)
             index.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
             for tensor, record in sorted(encoded.records.items()):
-                share = shares[rank][tensor]
+                share = layouts[rank].shares[tensor]
                 index.slices.append(SliceRecord(
                     tensor=tensor, part=part, rank=rank, count=size, split_dim=share.dim, file=name,
                     ranges=None if share.dim is None else [list(r) for r in share.ranges], **record))

@@ -177,24 +177,34 @@ class BlockLoader:
             return all(key in self._kept for key in keys)
 
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
-        """Hand the quantized weights of these Linears (parameter names) over packed, where the kernel runs
-        (quant_linear.packable) and on the CPU; not a tensor that a tied weight shares (an embedding needs its
-        values). Call before reading anything."""
+        """Hand the quantized weights of these Linears and embeddings (parameter names) over packed, where the
+        kernel runs (quant_linear.packable) and on the CPU. A tied tensor is packed only when every parameter
+        it fills is one of them (a tied embedding and head: one packed tensor serves both). Call before
+        reading anything."""
         if self.device.type != "cpu":
             return
         tensors = self.store.manifest.tensors
-        shared = {info["target"] for info in self.store.manifest.aliases.values()}
+        aliases: dict[str, list[str]] = {}
+        for alias, info in self.store.manifest.aliases.items():
+            aliases.setdefault(info["target"], []).append(alias)
         packed = {}
+        saves: dict[str, tuple[int, bool]] = {}
         for part in self.store.manifest.parts:
             for key in self.store.tensor_names(part):
                 name = self.mapper.linear_weight(key, linear_weights)
-                if name and key in tensors and key not in shared and packable(tensors[key].quant):
-                    meta = tensors[key].quant
-                    saved = self.mapper.nbytes(name) - tensors[key].length - meta["absmax"]["length"]
-                    packed[key] = (name, saved, meta["method"] in PACKED_WHEN_RESIDENT)
+                if not (name and key in tensors and packable(tensors[key].quant)):
+                    continue
+                tied = [self.mapper.linear_weight(alias, linear_weights) for alias in aliases.get(key, [])]
+                if None in tied:
+                    continue
+                meta = tensors[key].quant
+                resident = meta["method"] in PACKED_WHEN_RESIDENT
+                packed[key] = resident
+                saves[name] = (self.mapper.nbytes(name) - tensors[key].length - meta["absmax"]["length"], resident)
+                saves.update({other: (self.mapper.nbytes(other), resident) for other in tied})   # the same tensor
         self.packed_keys = frozenset(packed)
-        self._resident_packed = frozenset(key for key, (_, _, resident) in packed.items() if resident)
-        self._packing_saves = {name: (saved, resident) for name, saved, resident in packed.values()}
+        self._resident_packed = frozenset(key for key, resident in packed.items() if resident)
+        self._packing_saves = saves
 
     def packing_saves(self, names: set[str] | frozenset[str], resident: bool = False) -> int:
         """Bytes of memory that the packed ones among these parameters save against their dequantized size,

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..errors import UnsupportedModel
 from ..store import Store
 from .compute_dtype import resolve_compute_dtype
-from .linear import use_few_rows_linear
+from .linear import use_streaming_layers
 from .weights import parameters_on_meta
 
 
@@ -30,7 +30,7 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
             f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
             f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
         ) from None
-    use_few_rows_linear(model)
+    use_streaming_layers(model)
     return model.eval()
 
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from ..errors import UnsupportedModel
 
-# families whose attention and MLP code runs unchanged on a rank's share of heads (tests/test_tp.py)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+# families whose attention and MLP code runs unchanged on a rank's share of heads, and whose MoE experts
+# run on a rank's whole experts (experts.py) (tests/test_tp.py)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 FUSED_QKV = "qkv_proj"
 FUSED_GATE_UP = "gate_up_proj"
 

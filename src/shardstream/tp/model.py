@@ -29,9 +29,10 @@ from ..stream.meta import build_meta_model
 from ..stream.model import StreamingModel
 from ..stream.residency import resolve_budget
 from ..stream.weights import WeightMapper
+from .experts import RankExperts
 from .group import check_same_store, each_machine_once, fingerprint, join_group, leave_group
 from .layout import FUSED_QKV, Heads, Take
-from .rankstore import exported_view, rank_folder, rank_shares
+from .rankstore import exported_view, rank_folder, rank_layout
 
 
 class TensorParallelModel:
@@ -49,22 +50,25 @@ class TensorParallelModel:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         exported = check_same_store(store, self.size)
         self.store = store
-        shares, roles, heads = rank_shares(store, build_meta_model(store, compute_dtype, self.device), self.rank, self.size)
-        view = exported_view(store, shares, self.rank, self.size) if exported else None
-        self.share_bytes_read = 0   # read from the store's part files to write the rank's own (rankstore.py)
+        layout = rank_layout(store, build_meta_model(store, compute_dtype, self.device), self.rank, self.size)
+        view = exported_view(store, layout, self.rank, self.size) if exported else None
+        self.share_bytes_read = 0   # read from the store's files to write the rank's own (rankstore.py)
         if view is None:
-            view, self.share_bytes_read = rank_folder(store, shares, self.rank, self.size, fingerprint(store), tp_cache)
+            view, self.share_bytes_read = rank_folder(store, layout, self.rank, self.size, fingerprint(store), tp_cache)
         self.rank_store = view
+        self._hooks: list = []
 
         def split(model: nn.Module) -> None:
-            _resize(model, shares)
-            _localize_attention(model, roles, heads)
+            _resize(model, layout.shares)
+            _localize_attention(model, layout.roles, layout.heads)
+            # MoE: this rank's whole experts, the picks of the others sent nowhere (experts.py)
+            self._hooks += RankExperts(model, WeightMapper(model), store, self.rank, self.size).localize()
 
         streaming["max_resident_memory"] = _machine_share(streaming.get("max_resident_memory", "auto"), self.device)
         self._streaming = StreamingModel(view, device=self.device, compute_dtype=compute_dtype, shape_model=split,
                                          **streaming)
         self.model = self._streaming.model
-        self._hooks = _add_collectives(self.model, roles, self.rank, self.size)
+        self._hooks += _add_collectives(self.model, layout.roles, self.rank, self.size)
 
     @property
     def bytes_read(self) -> int:

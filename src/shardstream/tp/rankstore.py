@@ -17,6 +17,7 @@ giving the share's shape (quantized shares as codes, see reading.py). Two source
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
@@ -29,36 +30,62 @@ from ..store.reader import Store
 from ..store.sharding import INDEX_NAME, SliceRecord, load_index, slice_tensor_record
 from ..store.writer import part_file, write_encoded
 from ..stream.weights import WeightMapper
+from .experts import RankExperts
 from .layout import Heads, Take, is_exported_block, rank_heads, take, tp_roles
 from .reading import ShareReader, full_shape
 
 LAYOUT_VERSION = 1   # of a rank folder's files; a folder written by another layout is written again
 
 
-def rank_shares(store: Store, model: nn.Module, rank: int, size: int) -> tuple[dict[str, Take], dict[str, str], Heads]:
-    """Stored tensor name -> this rank's share of it (the layout of the parameter it fills), with the
-    model's roles and the rank's heads; a tensor that fills no parameter (an old rotary buffer) has none."""
+@dataclass
+class RankLayout:
+    """What a rank holds: stored tensor name -> its share (a tensor that fills no parameter, such as an
+    old rotary buffer, or another rank's expert, has none), the model's roles, the rank's heads and
+    experts (experts.py)."""
+
+    shares: dict[str, Take]
+    roles: dict[str, str]
+    heads: Heads
+    experts: RankExperts
+
+
+def rank_layout(store: Store, model: nn.Module, rank: int, size: int) -> RankLayout:
     roles = tp_roles(model)
     heads = rank_heads(model.config, rank, size)
     mapper = WeightMapper(model)
+    experts = RankExperts(model, mapper, store, rank, size)
     shares = {}
-    experts = store.expert_tensor_names()
     for key, record in store.manifest.tensors.items():
+        if key in experts.stored:
+            share = experts.take(key)
+            if share is not None:
+                shares[key] = share
+            continue
         names = mapper.target_names([key])
-        if len(names) != 1 or key in experts:
+        if len(names) != 1:
             continue
         module, _, kind = next(iter(names)).rpartition(".")
         shares[key] = take(module, roles.get(module), kind, full_shape(record), model.config, heads, rank, size)
-    return shares, roles, heads
+    return RankLayout(shares, roles, heads, experts)
 
 
-def encode_rank_part(store: Store, part: str, shares: dict[str, Take], reader: ShareReader) -> EncodedPart:
-    """The rank's shares of one part's tensors, laid out as a part file."""
-    tensors = store.manifest.parts[part].tensors
-    return encode_stored({key: reader.read(store.manifest.tensors[key], shares[key]) for key in tensors if key in shares})
+def encode_rank_part(store: Store, part: str, layout: RankLayout, reader: ShareReader,
+                     experts: bool = True) -> EncodedPart:
+    """The rank's shares of one part's tensors, and its experts of the block placed on tiers (their files
+    read whole, checksum-verified, and counted in `reader`), laid out as a part file; `experts=False`:
+    no MoE expert (an export, whose experts are placed, not sliced)."""
+    shares = layout.shares
+    stored = {key: reader.read(store.manifest.tensors[key], shares[key]) for key in store.manifest.parts[part].tensors
+              if key in shares and (experts or key not in layout.experts.stored)}
+    kind, _, block = part.partition("/")
+    for expert in layout.experts.placed(int(block)) if kind == "mid" and experts else []:
+        data = expert.contents(verify=True)
+        reader.bytes_read += len(data)
+        stored.update({name: (data, record) for name, record in expert.record.tensors.items()})
+    return encode_stored(stored)
 
 
-def rank_folder(store: Store, shares: dict[str, Take], rank: int, size: int, fingerprint: str,
+def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerprint: str,
                 tp_cache: str | os.PathLike | None = None) -> tuple[Store, int]:
     """The rank's own store, written where missing (see the module docstring); and the bytes read from
     the store's part files to write it (0 when it was there)."""
@@ -85,7 +112,7 @@ def rank_folder(store: Store, shares: dict[str, Take], rank: int, size: int, fin
     for part in store.parts:
         if part in manifest.parts:
             continue
-        encoded = encode_rank_part(store, part, shares, reader)
+        encoded = encode_rank_part(store, part, layout, reader)
         name = part_file(part)
         digest = write_encoded(folder / name, encoded)
         manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
@@ -113,9 +140,12 @@ def _resumable(folder: Path, origin: dict) -> Manifest | None:
     return manifest
 
 
-def exported_view(store: Store, shares: dict[str, Take], rank: int, size: int) -> Store | None:
+def exported_view(store: Store, layout: RankLayout, rank: int, size: int) -> Store | None:
     """A Store over the exported rank files of `shardstream shard --tp size` when they hold exactly this
-    rank's shares, else None."""
+    rank's shares, else None (always for an MoE model: exports do not hold a rank's experts)."""
+    if layout.experts.modules:
+        return None
+    shares = layout.shares
     slices = {s.tensor: s for s in load_index(store).slices if s.rank == rank and s.count == size}
     tensors = store.manifest.tensors
     if not all(key in slices and _is_share(slices[key], share, full_shape(tensors[key]), rank, size)
