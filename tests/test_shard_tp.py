@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,11 @@ def _joined(pieces: list[torch.Tensor], records: list, like: torch.Tensor) -> to
     ("llama", None), ("gpt2", None), ("gpt_neox", None), ("falcon", None), ("phi3", None),
     ("mixtral", None), ("llama", "4bit"), ("llama", "8bit"),
 ])
-def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory):
-    """Put back by their ranges, the slices of 4 ranks are the tensors (KV heads, 2 here, replicated)."""
-    root = tiny_store(family, tmp_path_factory, compression)
+def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory, tmp_path):
+    """Put back by their ranges, the slices of 4 ranks are the tensors (KV heads, 2 here, replicated). On a
+    copy: test_shard_experts measures the converted Mixtral store on disk."""
+    root = tmp_path / "store"
+    shutil.copytree(tiny_store(family, tmp_path_factory, compression), root)
     store = shardstream.open_store(root)
     export_tp(store, 4)
     records = {(s.tensor, s.rank): s for s in load_index(store).slices if s.count == 4}
