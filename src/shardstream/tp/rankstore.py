@@ -11,7 +11,8 @@ giving the share's shape (quantized shares as codes, see reading.py). Two source
   files by offset: each part's file written to a temporary name, fsynced, read back against its
   checksum and renamed, the folder's manifest saved after every part, so a killed rank resumes where
   it stopped. The folder is `<store>/tp/rank_<r>_of_<n>` (or under `tp_cache`, by the store's fingerprint),
-  one per rank: two ranks of one machine never write the same file.
+  one per rank: two ranks of one machine never write the same file. An MoE rank's folder holds its
+  whole experts too (from the part files, fused expert tensors or the expert files placed on tiers).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class RankLayout:
 
 
 def rank_layout(store: Store, model: nn.Module, rank: int, size: int) -> RankLayout:
+    """The rank's layout over `model` (the store's model on `meta`, full size): layout.py's shares of the
+    dense tensors, whole experts of an MoE block (experts.py)."""
     roles = tp_roles(model)
     heads = rank_heads(model.config, rank, size)
     mapper = WeightMapper(model)
