@@ -4,6 +4,7 @@ tokens in a batch (joining and leaving mid-batch) equal its tokens alone, logpro
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shardstream.convert import convert
-from shardstream.errors import InvalidOption
+from shardstream.errors import GroupLost, InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
 from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
@@ -337,3 +338,28 @@ def test_requests_sent_together_start_together(llama, gather):
         assert all(len(_tokens(s)[0]) == 4 for s in sequences)
     together = 1 + 3   # one prefill pass, then 3 decode steps for all four
     assert (engine.forward_passes == together) == (gather > 0), engine.forward_passes
+
+
+def test_abort_fails_the_sequences_in_flight_and_refuses_new_ones():
+    """What serve does when its model can no longer run (a lost tensor-parallel rank): the consumers get
+    the error at once, while the step in progress still waits (here on a block that does not return)."""
+    reference = tiny_model("llama")
+    passes, release = [], threading.Event()
+
+    def stall(module, args):
+        passes.append(1)
+        if len(passes) > 2:   # the prefill and one decode step go through, then a step hangs
+            release.wait(30)
+
+    reference.model.layers[1].register_forward_pre_hook(stall)
+    lost = GroupLost("the tensor-parallel group failed (Connection reset by peer)")
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0) as engine:
+        events = iter(engine.submit(_prompt(4, 2), SamplingParams(max_new_tokens=50)))
+        next(events)
+        next(events)                      # the third pass hangs now
+        engine.abort(lost)
+        with pytest.raises(GroupLost, match="Connection reset by peer"):
+            next(events)
+        with pytest.raises(GroupLost):
+            engine.submit(_prompt(4, 3), SamplingParams(max_new_tokens=2))
+        release.set()

@@ -104,3 +104,8 @@ class StageGone(ShardstreamError, LookupError):
 
 class PipelineUnavailable(ShardstreamError, ConnectionError):
     """The pipeline cannot answer now: its stages are being deployed, or were lost and cannot be re-deployed."""
+
+
+class GroupLost(ShardstreamError, ConnectionError):
+    """A tensor-parallel rank died or stopped answering (or torchrun stopped the group): the group cannot
+    compute until torchrun starts it again."""

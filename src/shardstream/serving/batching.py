@@ -9,6 +9,9 @@ The server, offline batches and benchmarks use this interface:
     seq.cancel()                 # from any thread: leaves the batch at the next step
     engine.close()
 
+The KV-cache operations (`reserved_cache`, `merge`, `select`) go through `cache_ops`, the kvcache module
+unless told otherwise: tensor-parallel serving replays each of them on every rank (tp/serving.py).
+
 A sequence's greedy tokens equal the tokens it gets alone (`model.generate`, greedy). All running
 sequences are rows of one left-padded batch with one transformers DynamicCache; newcomers are
 prefilled together in chunks between decode steps, then their cache rows are merged in (why: the
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import DynamicCache
 
-from ..errors import InvalidOption
+from ..errors import InvalidOption, ShardstreamError
 from ..sizes import parse_size
 from . import kvcache, pass_memory
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
@@ -222,8 +225,9 @@ class _Prefill:
     sequences: list[Sequence]
     ids: torch.Tensor            # (rows, longest prompt), left-padded
     mask: torch.Tensor
-    cache: DynamicCache          # reserved for the longest prompt; widened or merged when the group joins
     chunk_tokens: int            # prompt tokens per pass over all rows (see BatchEngine._admit)
+    cache: DynamicCache | None = None   # reserved for the longest prompt by the first pass (a step, whose
+                                        # failure fails the group); widened or merged when the group joins
     done_columns: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)   # kept only when prompt_logprobs is asked
 
@@ -242,7 +246,7 @@ class BatchEngine:
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
                  kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512,
-                 idle_prefill_tokens: int = 4096, gather_seconds: float = 0.05):
+                 idle_prefill_tokens: int = 4096, gather_seconds: float = 0.05, cache_ops=kvcache):
         if max_batch_size < 1:
             raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
         for name, tokens in (("prefill_chunk_tokens", prefill_chunk_tokens), ("idle_prefill_tokens", idle_prefill_tokens)):
@@ -251,6 +255,7 @@ class BatchEngine:
         if gather_seconds < 0:
             raise InvalidOption(f"gather_seconds must be 0 or more, not {gather_seconds}.")
         self.model = model
+        self.cache_ops = cache_ops
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -275,6 +280,7 @@ class BatchEngine:
         self._prefill: _Prefill | None = None
         self._limit: str | None = None
         self._closed = False
+        self._aborted: BaseException | None = None
         self._condition = threading.Condition()
         self._warm_up()   # before the thread: a server says it listens only once this is done
         self._thread = threading.Thread(target=self._loop, name="shardstream-batch", daemon=True)
@@ -288,6 +294,8 @@ class BatchEngine:
         sequence = open_sequence(prompt_ids, params, config.get_text_config().vocab_size, self.device, self._notify)
         check_context(config, len(prompt_ids), params.max_new_tokens)
         with self._condition:
+            if self._aborted is not None:
+                raise self._aborted
             if self._closed:
                 raise InvalidOption("the batch engine is closed; submit to an open one.")
             self._waiting.append(sequence)
@@ -309,6 +317,18 @@ class BatchEngine:
         cancel_all([*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])])
         self._waiting.clear()
         self._running, self._prefill, self._cache, self._mask = [], None, None, None
+
+    def abort(self, error: BaseException) -> None:
+        """Fail every sequence held (their iterators raise `error`) and refuse new ones with it, from any
+        thread, without waiting for the step in progress: for a model that can no longer run (a lost
+        tensor-parallel rank), where that step may never end."""
+        with self._condition:
+            self._closed = True
+            self._aborted = error
+            held = [*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])]
+            self._condition.notify()
+        for sequence in held:
+            sequence.fail(error)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -340,13 +360,13 @@ class BatchEngine:
                     self._gather()
                 if self._closed:
                     return
-            self._drop_cancelled()
+            self._guarded(self._drop_cancelled, running=True)   # its cache operation may fail (a lost TP rank)
             if self._prefill is None:
                 self._prefill = self._admit()
             if self._prefill is not None:
-                self._guarded(self._prefill_step, self._prefill.sequences)
+                self._guarded(self._prefill_step, running=False)
             if self._running:
-                self._guarded(self._decode_step, self._running)
+                self._guarded(self._decode_step, running=True)
 
     def _gather(self) -> None:
         """An idle engine that gets a request waits until no other has arrived for `gather_seconds` (at
@@ -361,15 +381,18 @@ class BatchEngine:
             if left <= 0 or (not self._condition.wait(left) and len(self._waiting) == arrived):
                 return
 
-    def _guarded(self, step: Callable[[], None], sequences: list[Sequence]) -> None:
-        """A failing step fails the sequences it was serving (their iterators raise) and the rest goes on."""
+    def _guarded(self, step: Callable[[], None], running: bool) -> None:
+        """A failing step fails the sequences it was serving, the running batch or the prefilling group (their
+        iterators raise), and the rest goes on. Taken before the step, which may replace the lists."""
+        sequences = list(self._running if running else self._prefill.sequences)
         try:
             step()
         except Exception as error:  # noqa: BLE001 - reported to each affected consumer
-            log.exception("a batch step failed; failing %d sequence(s)", len(sequences))
-            for sequence in list(sequences):
+            log.error("a batch step failed; failing %d sequence(s): %s", len(sequences), error,
+                      exc_info=not isinstance(error, ShardstreamError))   # ours say what happened
+            for sequence in sequences:
                 sequence.fail(error)
-            if sequences is self._running:
+            if running:
                 self._running, self._cache, self._mask = [], None, None
             else:
                 self._prefill = None
@@ -463,10 +486,7 @@ class BatchEngine:
         for row, sequence in enumerate(group):
             ids[row, longest - sequence.prompt_tokens:] = torch.tensor(sequence.prompt_ids)
             mask[row, longest - sequence.prompt_tokens:] = 1
-        # the prompts only: widened for the tokens to come once prefilled (see _prefill_step), so that the
-        # prefill's activations and the whole batch's widest cache are never in memory together
-        cache = kvcache.reserved_cache(longest)
-        return _Prefill(group, ids.to(self.device), mask.to(self.device), cache, chunk)
+        return _Prefill(group, ids.to(self.device), mask.to(self.device), chunk)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
         """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
@@ -478,6 +498,10 @@ class BatchEngine:
 
     def _prefill_step(self) -> None:
         group = self._prefill
+        if group.cache is None:
+            # the prompts only: widened for the tokens to come once prefilled (below), so that the prefill's
+            # activations and the whole batch's widest cache are never in memory together
+            group.cache = self.cache_ops.reserved_cache(group.ids.shape[1])
         rows = len(group.sequences)
         start = group.done_columns
         end = min(group.ids.shape[1], start + max(1, group.chunk_tokens // rows))
@@ -499,10 +523,10 @@ class BatchEngine:
             return
         kept = [group.sequences[row] for row in keep]
         # joining alone, the group's cache becomes the batch's and is widened now; else the merge reserves
-        mask = kvcache.select(group.cache, group.mask, keep, 0 if self._running else max(map(_remaining, kept)))
+        mask = self.cache_ops.select(group.cache, group.mask, keep, 0 if self._running else max(map(_remaining, kept)))
         if self._running:
             remaining = max(map(_remaining, [*self._running, *kept]))
-            self._mask = kvcache.merge(self._cache, self._mask, group.cache, mask, remaining)
+            self._mask = self.cache_ops.merge(self._cache, self._mask, group.cache, mask, remaining)
         else:
             self._cache, self._mask = group.cache, mask
         self._running.extend(kept)
@@ -542,6 +566,6 @@ class BatchEngine:
             return
         self._running = [self._running[row] for row in keep]
         if keep:
-            self._mask = kvcache.select(self._cache, self._mask, keep, max(map(_remaining, self._running)))
+            self._mask = self.cache_ops.select(self._cache, self._mask, keep, max(map(_remaining, self._running)))
         else:
             self._cache, self._mask = None, None

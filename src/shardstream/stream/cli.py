@@ -58,21 +58,15 @@ def check_device(device: str) -> None:
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
                max_host_memory: str = "auto", converting: Converting | None = None,
-               compute_dtype: str = "auto", tensor_parallel: bool = False,
-               tp_cache: str | None = None) -> StreamingModel:
+               compute_dtype: str = "auto") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
-    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py).
-    `tensor_parallel`: this process is one rank (docs/TENSOR_PARALLEL.md), writing its shares under `tp_cache`."""
+    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
     check_device(device)
-    max_resident_memory = batch_resident_budget(max_resident_memory, batch_size, device)
-    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
-    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
-    if host not in ("auto", 0) and not device.startswith("cuda"):
-        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
     from .model import AutoModel
 
     converting = converting or Converting()
@@ -83,8 +77,16 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          token=converting.hf_token, revision=converting.revision,
                                          max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                         max_host_memory=host, compute_dtype=compute_dtype,
-                                         tensor_parallel=tensor_parallel, tp_cache=tp_cache)
+                                         max_host_memory=host, compute_dtype=compute_dtype)
+
+
+def memory_options(max_resident_memory: str, max_host_memory: str, device: str) -> tuple[int | str, int | str]:
+    """--max-resident-memory and --max-host-memory as from_pretrained takes them ('auto' or bytes)."""
+    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
+    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
+    if host not in ("auto", 0) and not device.startswith("cuda"):
+        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    return budget, host
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -20,6 +21,34 @@ from ..listener import tcp_listener
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, model_id
 from ..sizes import parse_size
 from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
+
+TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What serve's HTTP side is told: where it listens and how it answers (one process or TP's rank 0)."""
+
+    host: str
+    port: int
+    names: list[str]
+    max_batch_size: int
+    api_key: str | None
+    template: str | None
+    max_request_bytes: int
+    quiet: bool
+
+    def app(self, model, tokenizer, engine):
+        """The OpenAI API over `engine`, logging a line per request unless quiet."""
+        from ..serving.server import create_app
+
+        return create_app(model, tokenizer, self.names[0], engine=engine, aliases=tuple(self.names[1:]),
+                          api_key=self.api_key, chat_template=self.template, max_request_bytes=self.max_request_bytes)
+
+    def listening(self, port: int, more: str = "") -> str:
+        return (f"shardstream serve: listening on http://{self.host}:{port} (model {', '.join(self.names)}; "
+                f"batches of up to {self.max_batch_size}{more})")
+
 
 def serve_command(
     source: Source,
@@ -53,42 +82,59 @@ def serve_command(
     compression: Compression = "none",
     revision: Revision = None,
     hf_token: HfToken = None,
+    tensor_parallel: Annotated[bool, typer.Option(
+        "--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md): "
+                                  "rank 0 serves, the other ranks bind no port.")] = False,
+    tp_timeout: Annotated[Optional[float], typer.Option(
+        help="With --tensor-parallel: seconds a rank waits for the others in a collective before the group counts "
+             "as lost (also while a checkpoint is converted at start). Default: 300.")] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     names = [name.strip() for value in (model_name or [model_id(source)]) for name in value.split(",") if name.strip()]
-    template = read_template(chat_template)
-    max_request_bytes = parse_size(max_request_size, "--max-request-size")
-    listener = _bind(host, port)
+    endpoint = Endpoint(host, port, names, max_batch_size, api_key, read_template(chat_template),
+                        parse_size(max_request_size, "--max-request-size"), quiet)
+    converting = Converting(sequential, compression, revision, hf_token)
+    if tensor_parallel:
+        from ..tp.cli import refuse_unsupported
+
+        given = {"--max-resident-memory": max_resident_memory, "--max-host-memory": max_host_memory}
+        refuse_unsupported([name for name, value in given.items() if value != "auto"])
+        timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
+        if not timeout > 0:
+            raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout}.")
+        from ..tp.serve import serve_tp
+
+        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout)
+        return
+    if tp_timeout is not None:
+        raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
+    listener = bind(host, port)
     import uvicorn
 
     from ..serving.openai_api import RequestLog
     from ..serving.batching import BatchEngine
-    from ..serving.server import create_app
     from ..serving.text import eos_ids, load_tokenizer, pad_id
 
-    _log_batch_bounds()
+    log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
                               batch_size=max_batch_size, max_host_memory=max_host_memory,
-                              converting=Converting(sequential, compression, revision, hf_token),
-                              compute_dtype=compute_dtype) as model:
+                              converting=converting, compute_dtype=compute_dtype) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
-        app = create_app(model, tokenizer, names[0], engine=engine, aliases=tuple(names[1:]), api_key=api_key,
-                         chat_template=template, max_request_bytes=max_request_bytes)
-        _say(f"shardstream serve: listening on http://{host}:{listener.getsockname()[1]} "
-             f"(model {', '.join(names)}; batches of up to {max_batch_size})")
-        server = _server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))
+        app = endpoint.app(model, tokenizer, engine)
+        say(endpoint.listening(listener.getsockname()[1]))
+        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))
         for number in (signal.SIGINT, signal.SIGTERM):
             signal.signal(number, lambda *_: setattr(server, "should_exit", True))
         try:
             server.run(sockets=[listener])
         finally:
             engine.close()
-            _say("shardstream serve: stopped")
+            say("shardstream serve: stopped")
 
 
-def _log_batch_bounds() -> None:
+def log_batch_bounds() -> None:
     """The engine's INFO lines (which bound limits the batch: --max-batch-size or memory) go to stderr,
     even with --quiet."""
     handler = logging.StreamHandler(sys.stderr)
@@ -98,7 +144,7 @@ def _log_batch_bounds() -> None:
     engine_log.setLevel(logging.INFO)
 
 
-def _server_class():
+def server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -112,7 +158,7 @@ def _server_class():
     return Server
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     try:
         listener = tcp_listener(host, port)
     except OSError as error:
@@ -131,5 +177,5 @@ def read_template(path: Path | None) -> str | None:
         raise InvalidOption(f"cannot read --chat-template {path} ({error.strerror}); give a readable Jinja file.") from None
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,23 +26,29 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _started: list[bool] = []   # [True] while a group that join_group initialized is up
 
 
-def join_group(device: str | torch.device) -> torch.device:
+def check_torchrun() -> None:
+    """Refuse, with what to do, a process that is no rank of a group (not started by torchrun)."""
+    missing = [v for v in TORCHRUN_VARIABLES if v not in os.environ]
+    if missing and not dist.is_initialized():
+        raise InvalidOption(
+            f"tensor parallelism runs one process per rank, and {', '.join(missing)} is not set; start it with "
+            "`torchrun --nproc-per-node N -m shardstream generate STORE --tensor-parallel ...` (or `serve`) "
+            "(or initialize torch.distributed first)."
+        )
+
+
+def join_group(device: str | torch.device, timeout: timedelta | None = None) -> torch.device:
     """Initialize torch.distributed from torchrun's variables unless the program already did; the
-    device this rank computes on (cuda:<local rank> when a GPU was asked for without an index)."""
+    device this rank computes on (cuda:<local rank> when a GPU was asked for without an index).
+    `timeout`: how long a collective waits for the other ranks (torch's default when None)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        missing = [v for v in TORCHRUN_VARIABLES if v not in os.environ]
-        if missing:
-            raise InvalidOption(
-                f"tensor parallelism runs one process per rank, and {', '.join(missing)} is not set; start it with "
-                "`torchrun --nproc-per-node N -m shardstream generate STORE --tensor-parallel ...` "
-                "(or initialize torch.distributed first)."
-            )
+        check_torchrun()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         _started[:] = [True]
     return device
 
