@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,10 @@ import torch
 import shardstream
 from http_server import serve_directory
 from shardstream.convert import convert
-from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.errors import InvalidOption, StoreCorrupt, UnsupportedModel
 from shardstream.shard import INDEX_NAME, export_tp, load_index, load_tp, split_dim
 from shardstream.store import MANIFEST_NAME
+from shardstream.store.manifest import canonical_json, sealed
 from shardstream.store.remote import open_remote_store
 from tiny_models import save_checkpoint
 
@@ -56,27 +59,66 @@ def test_split_rules(family, name, dim):
     assert split_dim(name, 1 if name.endswith("bias") or "norm" in name else 2, family) == dim
 
 
+def _joined(pieces: list[torch.Tensor], records: list, like: torch.Tensor) -> torch.Tensor:
+    """The ranks' slices put back where their `ranges` say (one equal block each where they have none)."""
+    dim = records[0].split_dim
+    if dim is None:
+        return pieces[0]
+    out = torch.full_like(like, float("nan"))
+    for piece, record in zip(pieces, records):
+        step = like.shape[dim] // len(pieces)
+        ranges = record.ranges or [[record.rank * step, (record.rank + 1) * step]]
+        at = 0
+        for start, stop in ranges:
+            out.narrow(dim, start, stop - start).copy_(piece.narrow(dim, at, stop - start))
+            at += stop - start
+    return out
+
+
 @pytest.mark.parametrize("family, compression", [
     ("llama", None), ("gpt2", None), ("gpt_neox", None), ("falcon", None), ("phi3", None),
-    ("mixtral", None), ("llama", "4bit"),
+    ("mixtral", None), ("llama", "4bit"), ("llama", "8bit"),
 ])
-def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory):
-    root = tiny_store(family, tmp_path_factory, compression)
+def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory, tmp_path):
+    """Put back by their ranges, the slices of 4 ranks are the tensors (KV heads, 2 here, replicated). On a
+    copy: test_shard_experts measures the converted Mixtral store on disk."""
+    root = tmp_path / "store"
+    shutil.copytree(tiny_store(family, tmp_path_factory, compression), root)
     store = shardstream.open_store(root)
     export_tp(store, 4)
-    split = {s.tensor: s.split_dim for s in load_index(store).slices}
+    records = {(s.tensor, s.rank): s for s in load_index(store).slices if s.count == 4}
     for part in store.parts:
         original = store.load(part)   # dequantized when the store is quantized
         ranks = [load_tp(store, part, rank, 4) for rank in range(4)]
         dense = {n for n in original if store.manifest.tensors.get(n) is None or store.manifest.tensors[n].expert is None}
         assert set(ranks[0]) == dense
         for name in dense:
-            dim = split[name]
-            joined = ranks[0][name] if dim is None else torch.cat([r[name] for r in ranks], dim)
+            joined = _joined([r[name] for r in ranks], [records[name, rank] for rank in range(4)], original[name])
             assert joined.dtype == original[name].dtype and torch.equal(joined, original[name]), name
-            if dim is not None:
-                assert ranks[1][name].shape[dim] * 4 == original[name].shape[dim]
-    assert any(d is not None for d in split.values())
+    assert any(s.split_dim is not None for s in records.values())
+
+
+def test_fused_projections_are_exported_by_heads_and_halves(tmp_path_factory):
+    """A phi3 rank's qkv_proj slice is its q heads, then its k and v heads; its gate_up_proj its share of
+    each half: what the rank runs (tp/layout.py), not one block of rows."""
+    store = shardstream.open_store(tiny_store("phi3", tmp_path_factory))
+    export_tp(store, 2)
+    records = {(s.tensor, s.rank): s for s in load_index(store).slices if s.count == 2}
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
+    assert records[qkv, 1].ranges == [[16, 32], [40, 48], [56, 64]]   # head_dim 8: q heads 2-3, k and v head 1
+    assert records[gate_up, 1].ranges == [[32, 64], [96, 128]]
+
+
+def test_quantized_slices_keep_their_codes_on_block_boundaries(tmp_path_factory):
+    """4-bit blocks of 64 values: q_proj's rows (16 x 32 values) are whole blocks and stay codes; o_proj's
+    columns (16 of each row of 32) are not, and are stored dequantized."""
+    store = shardstream.open_store(tiny_store("llama", tmp_path_factory, "4bit"))
+    export_tp(store, 2)
+    records = {(s.tensor, s.rank): s for s in load_index(store).slices if s.count == 2}
+    q = records["model.layers.0.self_attn.q_proj.weight", 1]
+    assert q.quant["shape"] == [16, 32] and q.dtype == "U8" and q.length == 16 * 32 // 2
+    o = records["model.layers.0.self_attn.o_proj.weight", 1]
+    assert o.quant is None and o.shape == [32, 16] and o.dtype == "F32"
 
 
 def test_rank_reads_only_its_own_bytes_over_http(tmp_path_factory):
@@ -121,8 +163,11 @@ def test_half_given_or_impossible_rank_is_refused(tmp_path_factory, rank, size, 
 
 def test_indivisible_split_is_refused(tmp_path_factory):
     store = shardstream.open_store(tiny_store("llama", tmp_path_factory))
-    with pytest.raises(InvalidOption, match="embed_tokens.weight is 128 long along dim 0, which 3 ranks cannot share"):
+    with pytest.raises(UnsupportedModel, match="num_attention_heads is 4: attention heads cannot be split equally over 3 ranks"):
         export_tp(store, 3)
+    gpt2 = shardstream.open_store(tiny_store("gpt2", tmp_path_factory))   # no TP plan: equal blocks
+    with pytest.raises(InvalidOption, match="transformer.wte.weight is 128 long along dim 0, which 3 ranks cannot share"):
+        export_tp(gpt2, 3)
 
 
 def test_index_edit_is_detected(tmp_path_factory):
@@ -134,3 +179,21 @@ def test_index_edit_is_detected(tmp_path_factory):
     with pytest.raises(StoreCorrupt, match="sharding.json fails its own checksum"):
         load_tp(store, "mid/0", 0, 2)
     assert (root / MANIFEST_NAME).exists()
+
+
+def test_index_versions_older_are_read_newer_are_refused(tmp_path_factory):
+    """Version 1 (slices without ranges, as shardstream wrote them before) loads; this version writes 2, so
+    that a shardstream reading only 1 refuses the new fields with its sentence; a newer one is refused."""
+    root = tiny_store("gpt2", tmp_path_factory)
+    store = shardstream.open_store(root)
+    export_tp(store, 2)
+    path = root / INDEX_NAME
+    body = {k: v for k, v in json.loads(path.read_text()).items() if k != "checksum"}
+    assert body["format_version"] == 2
+    old = {**body, "format_version": 1,
+           "slices": [{k: v for k, v in s.items() if k not in ("ranges", "quant")} for s in body["slices"]]}
+    path.write_bytes(canonical_json(sealed(old)))
+    assert "transformer.h.1.attn.c_attn.weight" in load_tp(shardstream.open_store(root), "mid/1", 0, 2)
+    path.write_bytes(canonical_json(sealed({**body, "format_version": 3})))
+    with pytest.raises(StoreCorrupt, match="sharding.json was written by a newer shardstream; upgrade shardstream"):
+        load_tp(shardstream.open_store(root), "mid/1", 0, 2)

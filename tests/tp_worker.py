@@ -1,10 +1,11 @@
 """One rank of the tensor-parallel tests, started by `python -m torch.distributed.run` (test_tp.py).
 
 argv[1] is a JSON file of jobs: {"name", "stores": [one store per rank], "out": folder, and optionally
-"compute_dtype"}. For each job this rank opens its store with `AutoModel.from_pretrained(...,
-tensor_parallel=True)` and writes `<name>.<rank>.json` (bytes read, sampled tokens and the logits' dtype,
-or the refusal's message); rank 0 also writes `<name>.pt` (logits
-and greedy tokens). One launch runs every job: starting ranks is most of a test's time.
+"compute_dtype" and "options" (more from_pretrained arguments)}. For each job this rank opens its store with
+`AutoModel.from_pretrained(..., tensor_parallel=True)` and writes `<name>.<rank>.json` (bytes read at
+opening and from the store's part files, bytes read per pass of the greedy generation, resident blocks,
+the rank's store, sampled tokens and the logits' dtype, or the refusal's message); rank 0 also writes
+`<name>.pt` (logits and greedy tokens). One launch runs every job: starting ranks is most of a test's time.
 """
 
 from __future__ import annotations
@@ -26,17 +27,22 @@ def run(job: dict, rank: int) -> None:
     out = Path(job["out"])
     try:
         model = AutoModel.from_pretrained(job["stores"][rank], tensor_parallel=True, progress=False,
-                                          compute_dtype=job.get("compute_dtype", "auto"))
+                                          compute_dtype=job.get("compute_dtype", "auto"), **job.get("options", {}))
     except ShardstreamError as error:
         (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"refused": str(error)}))
         return
+    opened = model.bytes_read
     logits = model(IDS).logits
+    before = model.bytes_read
     tokens = model.generate(IDS, max_new_tokens=8, do_sample=False)
+    per_pass = (model.bytes_read - before) / model.forward_passes
     torch.manual_seed(rank)   # each rank its own random state: rank 0's must be used
     sampled = model.generate(IDS, max_new_tokens=8, do_sample=True, temperature=1.5)
-    (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"bytes_read": model.bytes_read,
-                                                                "sampled": sampled.tolist(),
-                                                                "dtype": str(logits.dtype)}))
+    (out / f"{job['name']}.{rank}.json").write_text(json.dumps({
+        "bytes_read": opened, "share_bytes_read": model.share_bytes_read, "per_pass": per_pass,
+        "resident_blocks": len(model.resident_blocks), "rank_store": str(model.rank_store.root),
+        "sampled": sampled.tolist(), "dtype": str(logits.dtype)}))
+    model.close()
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens}, out / f"{job['name']}.pt")
 

@@ -4,17 +4,21 @@ Roles come from one table keyed by the Linear module's name. A column-parallel l
 gate, up, fused qkv) is split along its output features, a row-parallel one (o, down) along its
 input features, embeddings and LM heads along the vocabulary; 1-D tensors are replicated, and a
 bias follows its weight's output split (a row-parallel bias is replicated: it is added once, after
-the all-reduce). GPT-2's Conv1D stores weights as [in, out], so its dims are swapped. Fused
-projections (qkv_proj, gate_up_proj, query_key_value, c_attn) are split as one block of rows, which
-round-trips exactly; a runtime that wants whole heads per rank must re-order them first.
-Quantized stores are sliced after dequantization, so slices are stored in the original dtype.
+the all-reduce). GPT-2's Conv1D stores weights as [in, out], so its dims are swapped.
+
+For the families tensor-parallel ranks run (tp/layout.py), each rank's file holds exactly the share
+that rank runs, by the same rules and the same writer as a rank that writes its own shares
+(tp/rankstore.py): fused projections by whole heads and halves, KV heads replicated when fewer than
+ranks, a quantized share kept as its codes where it falls on quantization blocks. Their slice records
+name the `ranges` they concatenate. Other families' fused projections (query_key_value, c_attn) are
+split as one block of rows, and quantized tensors are sliced after dequantization.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidOption
+from ..errors import InvalidOption, UnsupportedModel
 from ..store.manifest import FileRecord
 from ..store.partfile import encode_part
 from ..store.reader import Store
@@ -65,6 +69,11 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
         raise InvalidOption(f"--tp must be at least 1, got {size}; pass the number of ranks.")
     index = load_index(store, for_update=True)
     index.slices = [s for s in index.slices if s.count != size]
+    layouts = _rank_layouts(store, size)
+    if layouts is not None:
+        _export_shares(store, size, layouts, index)
+        index.save(store)
+        return index.slices
     experts = store.expert_tensor_names()
     family = store.manifest.family
     for part in store.parts:
@@ -82,3 +91,42 @@ def export_tp(store: Store, size: int) -> list[SliceRecord]:
             ]
     index.save(store)
     return index.slices
+
+
+def _rank_layouts(store: Store, size: int) -> list | None:
+    """Each rank's shares where tensor-parallel ranks run the store's family (None otherwise), MoE experts
+    left out. A row-parallel bias is exported whole to every rank, as a replicated tensor (the rank that
+    must not add it writes its own shares instead: tp/rankstore.exported_view)."""
+    from ..stream.meta import build_meta_model
+    from ..tp.layout import WHOLE, tp_roles
+    from ..tp.rankstore import rank_layout
+
+    try:
+        model = build_meta_model(store, None)
+        tp_roles(model)
+    except UnsupportedModel:
+        return None
+    layouts = [rank_layout(store, model, rank, size) for rank in range(size)]
+    for layout in layouts:
+        layout.shares = {key: WHOLE if share.zeros else share for key, share in layout.shares.items()
+                         if key not in layout.experts.stored}
+    return layouts
+
+
+def _export_shares(store: Store, size: int, layouts: list, index) -> None:
+    """Every part's rank files, each holding exactly its rank's shares (tp/rankstore.py)."""
+    from ..tp.rankstore import encode_rank_part
+    from ..tp.reading import ShareReader
+
+    reader = ShareReader(store)
+    for part in store.parts:
+        for rank in range(size):
+            encoded = encode_rank_part(store, part, layouts[rank], reader, experts=False)
+            name = tp_file(part, rank, size)
+            digest = write_encoded(store.root / name, encoded)
+            index.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)
+            for tensor, record in sorted(encoded.records.items()):
+                share = layouts[rank].shares[tensor]
+                index.slices.append(SliceRecord(
+                    tensor=tensor, part=part, rank=rank, count=size, split_dim=share.dim, file=name,
+                    ranges=None if share.dim is None else [list(r) for r in share.ranges], **record))

@@ -21,8 +21,8 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
-from .manifest import FORMAT_VERSION, FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
-from .partfile import decode_tensor, tensor_from_bytes
+from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
+from .partfile import decode_tensor
 
 
 class StoreFiles(Protocol):
@@ -39,11 +39,18 @@ class StoreFiles(Protocol):
 
 
 INDEX_NAME = "sharding.json"
+# 2: slices record `ranges` and `quant` (tensor-parallel shares). Version 1 indexes are read as they are; a
+# shardstream that reads only version 1 refuses a version 2 index with a sentence instead of a traceback.
+INDEX_VERSION = 2
 
 
 @dataclass
 class SliceRecord:
-    """One rank's slice of one tensor; `split_dim` is None for a replicated tensor."""
+    """One rank's slice of one tensor; `split_dim` is None for a replicated tensor. `ranges`: the
+    [start, stop) ranges along `split_dim` the slice concatenates (a tensor-parallel rank's share:
+    heads and halves of fused projections, replicated KV heads); None in indexes written before them,
+    whose slices are one equal block each. `quant`: the codes' quantization (as in the manifest), when
+    the slice was kept quantized."""
 
     tensor: str
     part: str
@@ -55,6 +62,8 @@ class SliceRecord:
     file: str
     offset: int
     length: int
+    ranges: list[list[int]] | None = None
+    quant: dict | None = None
 
 
 @dataclass
@@ -76,14 +85,16 @@ class ShardIndex:
     experts: dict[str, ExpertRecord] = field(default_factory=dict)  # "<group>:<expert>" -> record
     files: dict[str, FileRecord] = field(default_factory=dict)     # every TP and expert file (expert paths name their tier)
     parts: dict[str, str] = field(default_factory=dict)   # part -> tier holding its files (same names, under the tier root)
-    format_version: int = FORMAT_VERSION
+    format_version: int = INDEX_VERSION
 
     def to_bytes(self) -> bytes:
         """The self-checksummed index, e.g. for a pipeline stage's own copy."""
         return canonical_json(sealed(asdict(self)))
 
     def save(self, store: StoreFiles) -> None:
-        """Replace the store's index atomically; the first save also points its manifest at it."""
+        """Replace the store's index atomically (as this version writes it); the first save also points its
+        manifest at it."""
+        self.format_version = INDEX_VERSION
         write_json_atomic(Path(store.root) / INDEX_NAME, sealed(asdict(self)))
         if store.manifest.sharding != INDEX_NAME:
             store.manifest.sharding = INDEX_NAME
@@ -92,7 +103,7 @@ class ShardIndex:
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "ShardIndex":
         body = unsealed(json_object(raw, where, "re-run `shardstream shard`"), where, "re-run `shardstream shard`")
-        if body.get("format_version", 1) > FORMAT_VERSION:
+        if body.get("format_version", 1) > INDEX_VERSION:
             raise StoreCorrupt(f"{where} was written by a newer shardstream; upgrade shardstream.")
         index = cls(tiers=body["tiers"], format_version=body.get("format_version", 1))
         index.slices = [SliceRecord(**s) for s in body["slices"]]
@@ -238,4 +249,10 @@ def load_tp(store: StoreFiles, part: str, tp_rank: int, tp_size: int, device: st
         )
     name = records[0].file
     data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
-    return {s.tensor: tensor_from_bytes(data, s.offset, s.dtype, s.shape).to(device) for s in records}
+    return {s.tensor: decode_tensor(data, 0, slice_tensor_record(s)).to(device) for s in records}
+
+
+def slice_tensor_record(record: SliceRecord) -> TensorRecord:
+    """The slice as a manifest tensor record (its part, file, bytes and quantization)."""
+    return TensorRecord(part=record.part, file=record.file, dtype=record.dtype, shape=record.shape,
+                        offset=record.offset, length=record.length, quant=record.quant)

@@ -66,11 +66,7 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     from .residency import batch_resident_budget
 
     check_device(device)
-    max_resident_memory = batch_resident_budget(max_resident_memory, batch_size, device)
-    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
-    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
-    if host not in ("auto", 0) and not device.startswith("cuda"):
-        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
     from .model import AutoModel
 
     converting = converting or Converting()
@@ -82,6 +78,15 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
                                          max_host_memory=host, compute_dtype=compute_dtype)
+
+
+def memory_options(max_resident_memory: str, max_host_memory: str, device: str) -> tuple[int | str, int | str]:
+    """--max-resident-memory and --max-host-memory as from_pretrained takes them ('auto' or bytes)."""
+    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
+    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
+    if host not in ("auto", 0) and not device.startswith("cuda"):
+        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    return budget, host
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ def generate_command(
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
+    tp_cache: Annotated[Optional[Path], typer.Option(help="With --tensor-parallel: the folder each rank writes its shares to when the store has no `shard --tp N` export (default: STORE/tp).")] = None,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
@@ -47,13 +48,13 @@ def generate_command(
         from ..tp.cli import generate_tp
 
         _check_utf8(prompt or "")
-        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None,
-                 "--max-resident-memory": None if max_resident_memory == "auto" else max_resident_memory,
-                 "--max-host-memory": None if max_host_memory == "auto" else max_host_memory}
+        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
                     not no_progress, [name for name, value in given.items() if value is not None], compute_dtype,
-                    converting)
+                    converting, max_resident_memory, max_host_memory, None if tp_cache is None else str(tp_cache))
         return
+    if tp_cache is not None:
+        raise InvalidOption("--tp-cache goes with --tensor-parallel; leave it out.")
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:

@@ -126,6 +126,8 @@ class BlockLoader:
         self._reserved: dict[tuple[int, int], int] = {}   # pieces being read to be kept -> bytes counted
         self._kept_buffers: list = []
         self._keeping = threading.Lock()
+        self.bytes_read = 0   # tensors' own bytes read (resident parts once, streamed pieces every time)
+        self._counting = threading.Lock()
         files = self.store.manifest.files
         self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
                                     if p.startswith("mid/") for f in rec.files), default=0)
@@ -288,7 +290,16 @@ class BlockLoader:
                                         tied=tied))
             if verify:
                 self._verified.add(part)
+            self._count(self.store.manifest.parts[part].tensors)
         return tensors
+
+    def _count(self, names: list[str]) -> None:
+        """Add these stored tensors' bytes (codes and scales of a quantized one) to `bytes_read`."""
+        tensors = self.store.manifest.tensors
+        total = sum(tensors[n].length + (tensors[n].quant["absmax"]["length"] if tensors[n].quant else 0)
+                    for n in names if n in tensors)
+        with self._counting:
+            self.bytes_read += total
 
     def _read_direct(self, part: str, verify: bool, keep: frozenset[str]) -> dict[str, torch.Tensor]:
         taken: list = []
@@ -352,6 +363,7 @@ class BlockLoader:
             return item
         started = time.perf_counter()
         self._verify_block(index)
+        self._count(names)
         mappings: list = []
         buffers: list = []
         keep = self._pool.pin and self._reserve(key)

@@ -61,14 +61,16 @@ def _check_files(store: Store) -> None:
 
 class StreamingModel:
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
-    longest prompt plus new tokens a call may run (None: the model's context)."""
+    longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
+    the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
                  prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
                  profiling_mode: bool = False, verify_checksums: bool = True,
                  compute_dtype: str | torch.dtype | None = "auto",
                  experts: str = "with_block", piece_bytes: int | None = None,
-                 max_host_memory: int | str | None = "auto", max_seq_len: int | None = None):
+                 max_host_memory: int | str | None = "auto", max_seq_len: int | None = None,
+                 shape_model: Callable[[torch.nn.Module], None] | None = None):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
@@ -83,6 +85,8 @@ class StreamingModel:
         self.profiling_mode = profiling_mode
         self.profile = Profile()
         self.model = build_meta_model(store, compute_dtype, self.device)
+        if shape_model is not None:
+            shape_model(self.model)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
         self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
@@ -227,6 +231,12 @@ class StreamingModel:
         self._resident_slots.fill({n: t if isinstance(t, QuantizedTensor) else t.to(self.device)   # packed: on the CPU
                                    for n, t in params.items() if n in self._resident_slots.names})
         return budget
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of weights read from the store so far: the resident parts once, streamed pieces each time
+        they are read (their tensors' own bytes, not the page rounding of O_DIRECT)."""
+        return self._loader.bytes_read
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -395,6 +405,7 @@ class AutoModel:
         install_hooks: bool = True,
         load_resident: bool = True,
         tensor_parallel: bool = False,
+        tp_cache: str | os.PathLike | None = None,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -413,7 +424,9 @@ class AutoModel:
         and `install_hooks`/`load_resident`, its switches for LoRA training, are refused when False.
         `tensor_parallel=True`: this process is one rank of a torchrun group (or of an initialized
         torch.distributed group); it reads and runs only its share of the weights (docs/TENSOR_PARALLEL.md),
-        all in memory: the streaming options do not apply.
+        streamed with the options above as one machine streams the whole model (`experts` aside); `tp_cache`:
+        where a rank writes its shares when the store has no `shardstream shard --tp N` export (default
+        `<store>/tp`).
         `compute_dtype`: the dtype the model computes in; 'auto' keeps the checkpoint's where the device
         multiplies it fast, else float32 (the store's bytes are read as stored and converted piece by
         piece; compute_dtype.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
@@ -434,14 +447,16 @@ class AutoModel:
                 token=token, revision=revision, progress=progress,
             )
 
+        streaming = dict(prefetching=prefetching, prefetch_depth=prefetch_depth,
+                         max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
+                         verify_checksums=verify_checksums, compute_dtype=compute_dtype, piece_bytes=piece_bytes,
+                         max_host_memory=max_host_memory, max_seq_len=max_seq_len)
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel
 
-            return open_tensor_parallel(open_store, device, compute_dtype)
-        return StreamingModel(
-            open_store(), device=device, prefetching=prefetching, prefetch_depth=prefetch_depth,
-            max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
-            verify_checksums=verify_checksums, compute_dtype=compute_dtype,
-            experts=experts, piece_bytes=piece_bytes,
-            max_host_memory=max_host_memory, max_seq_len=max_seq_len,
-        )
+            if experts != "with_block":
+                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
+            return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
+        if tp_cache is not None:
+            raise InvalidOption("tp_cache goes with tensor_parallel=True; leave it out.")
+        return StreamingModel(open_store(), device=device, experts=experts, **streaming)

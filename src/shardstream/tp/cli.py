@@ -16,22 +16,27 @@ def refuse_unsupported(unsupported: list[str]) -> None:
 
 
 def open_rank(source: str, store_path: str | None, device: str, compute_dtype: str, converting: Converting,
-              progress: bool):
-    """This rank's model; a checkpoint is converted first with `converting`'s options (once per machine)."""
+              progress: bool, max_resident_memory: int | str = "auto", max_host_memory: int | str = "auto",
+              tp_cache: str | None = None):
+    """This rank's model, streaming its shares within the memory options (bytes or 'auto', as
+    from_pretrained takes them); a checkpoint is converted first with `converting`'s options (once per machine)."""
     from ..stream.model import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      sequential_shard_processing=converting.sequential,
                                      compression=compression(converting.compression), token=converting.hf_token,
                                      revision=converting.revision, compute_dtype=compute_dtype,
-                                     progress=progress, tensor_parallel=True)
+                                     progress=progress, tensor_parallel=True, max_resident_memory=max_resident_memory,
+                                     max_host_memory=max_host_memory, tp_cache=tp_cache)
 
 
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
-                progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting) -> None:
-    """One prompt over the ranks; `unsupported` names the options given that TP does not take; a checkpoint
-    is converted with `converting`'s options, as generate converts one."""
+                progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting,
+                max_resident_memory: str = "auto", max_host_memory: str = "auto", tp_cache: str | None = None) -> None:
+    """One prompt over the ranks, each streaming its shares within `--max-resident-memory` (and, on a GPU,
+    `--max-host-memory`) as generate streams a whole model; `unsupported` names the options given that TP
+    does not take; a checkpoint is converted with `converting`'s options, as generate converts one."""
     refuse_unsupported(unsupported)
     if prompt is None:
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
@@ -40,12 +45,13 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
     parse_compute_dtype(compute_dtype, "--compute-dtype")
     import torch.distributed as dist
 
-    from ..stream.cli import check_device
+    from ..stream.cli import check_device, memory_options
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     check_device(device)
-    with open_rank(source, store_path, device, compute_dtype, converting, progress) as model:
+    budget, host = memory_options(max_resident_memory, max_host_memory, device)
+    with open_rank(source, store_path, device, compute_dtype, converting, progress, budget, host, tp_cache) as model:
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

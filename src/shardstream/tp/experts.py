@@ -7,9 +7,9 @@ eager, batched and grouped forwards all skip) with a zero weight; a forward hook
 experts' output, so every token gets the weighted sum of its top-k experts from whichever ranks hold
 them. This is how transformers' own expert parallelism (`ep_dispatch_experts`) runs the experts.
 
-Whole experts rather than a slice of each: a rank reads each of its experts as whole tensors (or
-whole files, where `shardstream shard --experts` placed them on tiers) and never touches the other
-experts' bytes; the collective is the same one all-reduce per MoE block that sliced experts need.
+Whole experts rather than a slice of each: a rank's store (rankstore.py) holds each of its experts as
+whole tensors (read from whole files, where `shardstream shard --experts` placed them on tiers) and
+never touches the other experts' bytes; the collective is the same one all-reduce per MoE block that sliced experts need.
 The cost is balance: a decoded token's top-k experts may all be on one rank.
 """
 
@@ -26,7 +26,6 @@ from ..store.reader import Store
 from ..store.sharding import Expert, load_index
 from ..stream.weights import WeightMapper
 from .layout import WHOLE, Take, _share
-from .reading import ShareReader
 
 EP_STYLE = "ep_dispatch_experts"
 
@@ -37,7 +36,6 @@ class RankExperts:
     def __init__(self, model: nn.Module, mapper: WeightMapper, store: Store, rank: int, size: int):
         self.store = store
         self.modules = _experts_modules(model)
-        self.bytes_read = 0
         self.first = self.count = 0
         if self.modules:
             total = next(iter(self.modules.values())).num_experts
@@ -52,30 +50,31 @@ class RankExperts:
     def _mine(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.count
 
-    def read(self) -> dict[str, torch.Tensor]:
-        """This rank's experts only: per-expert tensors whole, fused 3-D ones by rows (experts), placed
-        experts as their tier files (checksum-verified); every byte read is counted."""
-        reader = ShareReader(self.store)
-        tensors = {}
-        for key in self.stored:
-            record = self.store.manifest.tensors[key]
-            if record.expert is None:
-                tensors[key] = reader.read(record, Take(0, ((self.first, self.first + self.count),)))
-            elif self._mine(record.expert):
-                tensors[key] = reader.read(record, WHOLE)
-        self.bytes_read = reader.bytes_read
-        if self.modules and self.store.manifest.sharding:
-            index = load_index(self.store)
-            for placed in index.experts.values():
-                if self._mine(placed.expert):
-                    tensors.update(Expert(self.store, index, placed).tensors)
-                    self.bytes_read += index.files[placed.file].size
-        return tensors
+    def take(self, key: str) -> Take | None:
+        """This rank's share of stored expert tensor `key` (one of `stored`): a per-expert tensor whole when
+        the expert is this rank's (else None), a fused 3-D one by rows (experts)."""
+        expert = self.store.manifest.tensors[key].expert
+        if expert is None:
+            return Take(0, ((self.first, self.first + self.count),))
+        return WHOLE if self._mine(expert) else None
+
+    def placed(self, layer: int) -> list[Expert]:
+        """This rank's experts of block `layer` that `shardstream shard --experts` placed on tiers."""
+        if not self.modules or not self.store.manifest.sharding:
+            return []
+        index = load_index(self.store)
+        return [Expert(self.store, index, r) for r in index.experts.values() if r.group == layer and self._mine(r.expert)]
 
     def localize(self) -> list:
-        """Each experts module runs this rank's experts on the router's picks of them; returns the hooks."""
+        """Each experts module (on `meta`, before it is filled) holds this rank's experts and runs them on the
+        router's picks of them; returns the hooks."""
         hooks = []
         for module in self.modules.values():
+            for name, parameter in module.named_parameters(recurse=False):
+                if parameter.shape and parameter.shape[0] == module.num_experts:   # [experts, ...]
+                    module._parameters[name] = nn.Parameter(
+                        torch.empty((self.count, *parameter.shape[1:]), dtype=parameter.dtype, device="meta"),
+                        requires_grad=False)
             module.num_experts = self.count
             module._is_expert_parallel = True   # batched/grouped forwards then mask the sentinel's rows
             hooks += [module.register_forward_pre_hook(_local_picks(self.first, self.count), with_kwargs=True),

@@ -1,156 +1,89 @@
-"""A tensor-parallel rank: transformers' own model, built on `meta`, filled with this rank's shares.
+"""A tensor-parallel rank: transformers' own model, built on `meta`, streamed from this rank's shares.
 
 Every rank runs the whole forward pass on its share of each weight (layout.py), and hooks on the
 split modules add the collectives the split needs: an all-reduce after each row-parallel Linear
 (o_proj, down_proj) and after the vocabulary-split embedding (ids outside the rank's rows give
 zeros), an all-gather of the vocabulary-split logits. Every rank then holds the same logits, so
 `generate()` picks the same tokens on all of them; inputs and the random state come from rank 0.
-All of a rank's shares stay in memory (no layer streaming).
+
+The rank's shares are a store of their own (rankstore.py), opened by the streaming engine
+(stream/model.py StreamingModel) with its split modules resized to the share shapes and its
+attention told the rank's head counts: the same loader, prefetch, residency budget
+(`max_resident_memory`), O_DIRECT reads and packed quantized products as one machine. All shares in
+memory is the case where the budget holds every block.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import InvalidOption, UnsupportedModel
-from ..serving.text import check_context
+from ..errors import InvalidOption
 from ..store.reader import Store
-from ..store.sharding import load_index
 from ..stream.meta import build_meta_model
-from ..stream.weights import Slots, WeightMapper
+from ..stream.model import StreamingModel
+from ..stream.residency import resolve_budget
+from ..stream.weights import WeightMapper
 from .experts import RankExperts
-from .group import check_same_store, each_machine_once, join_group, leave_group
-from .layout import FUSED_QKV, Heads, Take, is_exported_block, rank_heads, take, tp_roles
-from .reading import ShareReader
+from .group import check_same_store, each_machine_once, fingerprint, join_group, leave_group
+from .layout import FUSED_QKV, Heads, Take
+from .rankstore import exported_view, rank_folder, rank_layout
 
 
 class TensorParallelModel:
-    """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`), on every rank."""
+    """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`), on every rank.
+
+    `max_resident_memory`, `max_host_memory`, `prefetching`, `prefetch_depth`, `piece_bytes`,
+    `verify_checksums`, `profiling_mode` and `max_seq_len` mean what they mean to a StreamingModel, for
+    this rank's shares; `tp_cache`: the folder the rank writes its shares to when the store has no
+    export for this many ranks (default `<store>/tp`)."""
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu",
-                 compute_dtype: str | torch.dtype | None = "auto"):
-        if store.manifest.compression:
-            raise InvalidOption(
-                f"the store at {store.root} is {store.manifest.compression}-quantized, and tensor parallelism runs "
-                "unquantized stores only; convert the checkpoint again without --compression."
-            )
+                 compute_dtype: str | torch.dtype | None = "auto", tp_cache: str | os.PathLike | None = None,
+                 **streaming):
         self.device = join_group(device)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         exported = check_same_store(store, self.size)
         self.store = store
-        self.model = build_meta_model(store, compute_dtype, self.device)
-        roles = tp_roles(self.model)
-        heads = rank_heads(self.model.config, self.rank, self.size)
-        mapper = WeightMapper(self.model)
-        experts = RankExperts(self.model, mapper, store, self.rank, self.size)   # MoE: this rank's whole experts
-        shares = {k: s for k, s in self._shares(mapper, roles, heads).items() if k not in experts.stored}
-        self.bytes_read = 0
-        if exported and self._exported_fit(shares):
-            tensors = self._read_exported(shares)
-        else:
-            tensors = self._read_shares(shares)
-        tensors.update(experts.read())
-        self.bytes_read += experts.bytes_read
-        self._fill(mapper, tensors)
-        self._localize_attention(roles, heads)
-        self._hooks = self._add_collectives(roles) + experts.localize()
+        layout = rank_layout(store, build_meta_model(store, compute_dtype, self.device), self.rank, self.size)
+        view = exported_view(store, layout, self.rank, self.size) if exported else None
+        self.share_bytes_read = 0   # read from the store's files to write the rank's own (rankstore.py)
+        if view is None:
+            view, self.share_bytes_read = rank_folder(store, layout, self.rank, self.size, fingerprint(store), tp_cache)
+        self.rank_store = view
+        self._hooks: list = []
 
-    # -- reading -----------------------------------------------------------------------------
+        def split(model: nn.Module) -> None:
+            _resize(model, layout.shares)
+            _localize_attention(model, layout.roles, layout.heads)
+            # MoE: this rank's whole experts, the picks of the others sent nowhere (experts.py)
+            self._hooks += RankExperts(model, WeightMapper(model), store, self.rank, self.size).localize()
 
-    def _shares(self, mapper: WeightMapper, roles: dict[str, str], heads: Heads) -> dict[str, Take]:
-        """Stored tensor name -> this rank's share of it (the layout of the parameter it fills)."""
-        shares = {}
-        for key in self.store.manifest.tensors:
-            names = mapper.target_names([key])
-            if len(names) != 1:
-                continue   # nothing to fill (e.g. an old rotary buffer); a converted one is caught by _fill
-            module, _, kind = next(iter(names)).rpartition(".")
-            shares[key] = take(module, roles.get(module), kind, self.store.manifest.tensors[key].shape,
-                               self.model.config, heads, self.rank, self.size)
-        return shares
+        streaming["max_resident_memory"] = _machine_share(streaming.get("max_resident_memory", "auto"), self.device)
+        self._streaming = StreamingModel(view, device=self.device, compute_dtype=compute_dtype, shape_model=split,
+                                         **streaming)
+        self.model = self._streaming.model
+        self._hooks += _add_collectives(self.model, layout.roles, self.rank, self.size)
 
-    def _exported_fit(self, shares: dict[str, Take]) -> bool:
-        """Whether `shardstream shard --tp` wrote this rank exactly its shares (not so for fused
-        projections, written as one block of rows, nor for replicated KV heads)."""
-        written = {s.tensor: s.split_dim for s in load_index(self.store).slices if s.rank == self.rank and s.count == self.size}
-        return all(key in written and is_exported_block(share, written[key], self.store.manifest.tensors[key].shape,
-                                                        self.rank, self.size)
-                   for key, share in shares.items())
+    @property
+    def bytes_read(self) -> int:
+        """Weight bytes this rank read: its shares from the store (when it wrote its own files), then its
+        files as the streaming engine reads them (resident parts once, streamed blocks every pass)."""
+        return self.share_bytes_read + self._streaming.bytes_read
 
-    def _read_exported(self, shares: dict[str, Take]) -> dict[str, torch.Tensor]:
-        """Each part's rank file, checksum-verified (Store.load with tp_rank)."""
-        index = load_index(self.store)
-        tensors: dict[str, torch.Tensor] = {}
-        for part in self.store.parts:
-            tensors.update(self.store.load(part, tp_rank=self.rank, tp_size=self.size))
-            self.bytes_read += sum(index.files[f].size for f in {s.file for s in index.slices
-                                                                 if s.part == part and s.rank == self.rank and s.count == self.size})
-        return {k: torch.zeros_like(t) if k in shares and shares[k].zeros else t for k, t in tensors.items()}
+    @property
+    def forward_passes(self) -> int:
+        """Passes over the blocks in the last call (StreamingModel.forward_passes)."""
+        return self._streaming.forward_passes
 
-    def _read_shares(self, shares: dict[str, Take]) -> dict[str, torch.Tensor]:
-        """Only the rank's bytes of each tensor, from the converter's part files (tied tensors once)."""
-        reader = ShareReader(self.store)
-        tensors = {key: reader.read(self.store.manifest.tensors[key], share) for key, share in shares.items()}
-        for alias, info in self.store.manifest.aliases.items():
-            if info["target"] in tensors:
-                tensors[alias] = tensors[info["target"]]
-        self.bytes_read = reader.bytes_read
-        return tensors
-
-    def _fill(self, mapper: WeightMapper, tensors: dict[str, torch.Tensor]) -> None:
-        params = mapper.convert(tensors)
-        for tied, source in getattr(self.model, "all_tied_weights_keys", {}).items():
-            if tied not in params and source in params:
-                params[tied] = params[source]
-        slots = Slots(self.model)
-        missing = slots.names - params.keys()
-        if missing:
-            raise UnsupportedModel(
-                f"the store at {self.store.root} lacks {sorted(missing)[:3]}; re-convert the checkpoint with this "
-                "transformers version."
-            )
-        slots.fill({n: t.to(self.device) for n, t in params.items() if n in slots.names})
-        for module in self.model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(self.device)
-
-    # -- the split ---------------------------------------------------------------------------
-
-    def _localize_attention(self, roles: dict[str, str], heads: Heads) -> None:
-        """Attention modules see their rank's head counts (code that reads them from the config too)."""
-        for name in roles:
-            parent, _, leaf = name.rpartition(".")
-            if leaf not in ("q_proj", FUSED_QKV):
-                continue
-            attention = self.model.get_submodule(parent)
-            attention.config = copy.copy(attention.config)
-            attention.config.num_attention_heads = heads.q_count
-            attention.config.num_key_value_heads = heads.kv_count
-            attention.num_key_value_groups = heads.q_count // heads.kv_count
-            for attribute, value in (("num_key_value_heads", heads.kv_count), ("num_heads", heads.q_count)):
-                if hasattr(attention, attribute):
-                    setattr(attention, attribute, value)
-
-    def _add_collectives(self, roles: dict[str, str]) -> list:
-        hooks = []
-        for name, role in roles.items():
-            module = self.model.get_submodule(name)
-            if role == "row":
-                hooks.append(module.register_forward_hook(_all_reduce))
-            elif role == "head":
-                hooks.append(module.register_forward_hook(_gather_vocabulary(self.size)))
-            elif role == "vocab":
-                module.padding_idx = None   # only gradients use it, and it may lie outside this rank's rows
-                rows = module.weight.shape[0]
-                pre, post = _vocabulary_lookup(self.rank * rows, (self.rank + 1) * rows)
-                hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-        return hooks
+    @property
+    def resident_blocks(self) -> list[int]:
+        return self._streaming.resident_blocks
 
     # -- the transformers surface ------------------------------------------------------------
 
@@ -165,16 +98,20 @@ class TensorParallelModel:
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass on every rank; rank 0's `input_ids` (and attention mask) are used."""
         input_ids, kwargs = self._from_rank_0(input_ids, kwargs)
-        check_context(self.model.config, input_ids.shape[-1], 0)
-        with torch.no_grad():
-            return self.model(input_ids=input_ids, **kwargs)
+        return self._streaming(input_ids, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """transformers' `generate` on every rank; rank 0's inputs and random state (sampling) are used."""
         input_ids, kwargs = self._from_rank_0(input_ids, kwargs, random_state=True)
-        check_context(self.model.config, input_ids.shape[-1],
-                      kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0)
-        return self.model.generate(input_ids=input_ids, **kwargs)
+        new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
+        self._streaming.check_length(input_ids, new_tokens)
+        if kwargs.get("use_cache", True) and "prefill_chunk_size" not in kwargs:
+            # every rank must run the same passes: the smallest chunk any rank's memory allows
+            chunk = torch.tensor([self._streaming.prefill_chunk(input_ids.shape[0], input_ids.shape[-1], new_tokens)],
+                                 device=self.device)
+            dist.all_reduce(chunk, op=dist.ReduceOp.MIN)
+            kwargs["prefill_chunk_size"] = int(chunk) if int(chunk) < input_ids.shape[-1] else None
+        return self._streaming.generate(input_ids, **kwargs)
 
     def _from_rank_0(self, input_ids: torch.Tensor | None, kwargs: dict, random_state: bool = False):
         mask = kwargs.get("attention_mask")
@@ -191,10 +128,11 @@ class TensorParallelModel:
         return input_ids.to(self.device), kwargs
 
     def close(self) -> None:
-        """Drop the hooks; leave the process group (if this model started it)."""
+        """Drop the hooks, stop the streaming engine; leave the process group (if this model started it)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._streaming.close()
         leave_group()
 
     def __enter__(self) -> TensorParallelModel:
@@ -202,6 +140,76 @@ class TensorParallelModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _machine_share(budget: int | str | None, device: torch.device) -> int | str | None:
+    """CPU ranks of one machine share its memory: their 'auto' resident budget is what one process's would
+    be, divided among them (LOCAL_WORLD_SIZE), taken as the rank opens. A GPU rank has its GPU to itself."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if budget != "auto" or device.type != "cpu" or ranks == 1:
+        return budget
+    return resolve_budget("auto", 0, device) // ranks
+
+
+def _resize(model: nn.Module, shares: dict[str, Take]) -> None:
+    """The split parameters on `meta` in their share's shape (a tied head follows its embedding), so that
+    the streaming engine sizes, reads and fills them as the rank's."""
+    mapper = WeightMapper(model)
+    new: dict[str, nn.Parameter] = {}
+    for key, share in shares.items():
+        if share.dim is None:
+            continue
+        (name,) = mapper.target_names([key])
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = module._parameters[attr]
+        shape = list(old.shape)
+        shape[share.dim] = share.size()
+        new[name] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=False)
+    for tied, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if source in new and tied not in new:
+            new[tied] = new[source]
+    for name, parameter in new.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = parameter
+        if isinstance(module, nn.Linear) and attr == "weight":
+            module.out_features, module.in_features = parameter.shape
+        elif isinstance(module, nn.Embedding):
+            module.num_embeddings = parameter.shape[0]
+
+
+def _localize_attention(model: nn.Module, roles: dict[str, str], heads: Heads) -> None:
+    """Attention modules see their rank's head counts (code that reads them from the config too)."""
+    for name in roles:
+        parent, _, leaf = name.rpartition(".")
+        if leaf not in ("q_proj", FUSED_QKV):
+            continue
+        attention = model.get_submodule(parent)
+        attention.config = copy.copy(attention.config)
+        attention.config.num_attention_heads = heads.q_count
+        attention.config.num_key_value_heads = heads.kv_count
+        attention.num_key_value_groups = heads.q_count // heads.kv_count
+        for attribute, value in (("num_key_value_heads", heads.kv_count), ("num_heads", heads.q_count)):
+            if hasattr(attention, attribute):
+                setattr(attention, attribute, value)
+
+
+def _add_collectives(model: nn.Module, roles: dict[str, str], rank: int, size: int) -> list:
+    hooks = []
+    for name, role in roles.items():
+        module = model.get_submodule(name)
+        if role == "row":
+            hooks.append(module.register_forward_hook(_all_reduce))
+        elif role == "head":
+            hooks.append(module.register_forward_hook(_gather_vocabulary(size)))
+        elif role == "vocab":
+            module.padding_idx = None   # only gradients use it, and it may lie outside this rank's rows
+            rows = module.weight.shape[0]
+            pre, post = _vocabulary_lookup(rank * rows, (rank + 1) * rows)
+            # before the streaming engine's own hooks: an embedding read by rows reads the rank's rows
+            hooks += [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post)]
+    return hooks
 
 
 def _all_reduce(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
@@ -238,8 +246,7 @@ def _vocabulary_lookup(start: int, stop: int) -> tuple[Callable, Callable]:
     return local_ids, summed
 
 
-def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device,
-                         compute_dtype: str | torch.dtype | None) -> TensorParallelModel:
+def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device, **options) -> TensorParallelModel:
     """Join the group, open (or convert) the store once per machine, then build this rank's model."""
     join_group(device)
-    return TensorParallelModel(each_machine_once(open_store), device=device, compute_dtype=compute_dtype)
+    return TensorParallelModel(each_machine_once(open_store), device=device, **options)
