@@ -114,3 +114,12 @@ def test_importing_shardstream_makes_openmp_threads_sleep_unless_told_otherwise(
     code = "import os, shardstream; print(os.environ['OMP_WAIT_POLICY'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
     assert result.stdout.strip() == expected
+
+
+def test_an_error_naming_a_path_with_brackets_prints_it_as_it_is(tmp_path):
+    """A message is text, not rich markup: a path like `runs[/old]` (or a library's "[/__w/...]") used to end
+    in a MarkupError traceback, or lose the bracketed part."""
+    folder = tmp_path / "runs[/old]" / "nostore"
+    result = _shardstream("generate", str(folder), "--prompt", "hi")[0]
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {folder} does not exist;"), result.stderr

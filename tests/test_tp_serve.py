@@ -233,7 +233,8 @@ def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_
     assert time.monotonic() - killed < 30   # a reply, not a hang until a timeout
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["message"].startswith("the tensor-parallel group failed")
+    # rank 0 learns it from gloo (the connection to rank 1 closed), or first from torchrun's SIGTERM
+    assert error["message"].startswith(("the tensor-parallel group failed", "this server is stopping (SIGTERM")), error
     assert whole["status"] == 503
     assert whole["body"]["error"]["code"] == "tensor_parallel_unavailable"
     assert "retry once /health answers 200" in whole["body"]["error"]["message"]
@@ -242,4 +243,5 @@ def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_
     assert 503 in seen           # "starting" while the new ranks loaded
     again = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0).choices[0].text
     assert again == before == _greedy(reference, tokenizer, "Hello", 10)
-    assert "exiting with code 1" in served.log.read_text()
+    log = served.log.read_text()
+    assert "exiting with code 1" in log or "this server is stopping (SIGTERM" in log

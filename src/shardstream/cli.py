@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__, options
@@ -260,7 +261,8 @@ def main() -> None:
     except (ShardstreamError, ClickException) as exc:
         message = exc.format_message() if isinstance(exc, ClickException) else str(exc)
         hint = f" (see `{exc.ctx.command_path} -h`)" if getattr(exc, "ctx", None) is not None else ""
-        err_console.print(f"[red]error:[/red] {message}{hint}", highlight=False, soft_wrap=True, markup=True)
+        # the message is text, not markup: a path or a library's message may hold brackets ("[/__w/...]")
+        err_console.print(f"[red]error:[/red] {escape(message + hint)}", highlight=False, soft_wrap=True, markup=True)
         sys.exit(1)
     except KeyboardInterrupt:
         code = 130

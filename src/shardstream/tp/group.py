@@ -48,9 +48,21 @@ def join_group(device: str | torch.device, timeout: timedelta | None = None) -> 
         check_torchrun()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
         _started[:] = [True]
     return device
+
+
+def _attempt_store(timeout: timedelta | None) -> dist.Store:
+    """torchrun's store (env://), its keys under this start's own prefix. With static rendezvous
+    (`--master-addr/--master-port`) every restart of `--max-restarts` meets the same store, where the
+    ranks' addresses of the start before are still found: a new rank 1 could read the dead rank 0's and
+    give up on it ("Gloo connectFullMesh failed ... Connection refused") before the new rank 0 wrote its
+    own, which used up the restarts."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=30)))
+    return dist.PrefixStore(f"shardstream/start_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def leave_group() -> None:
