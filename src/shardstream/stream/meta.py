@@ -46,3 +46,18 @@ def common_module(names: set[str]) -> str:
     split = [name.split(".")[:-1] for name in names]
     prefix = os.path.commonprefix(split)
     return ".".join(prefix)
+
+
+class WrapsModel:
+    """What callers read from a transformers model, read from the one `self.model` wraps: the streamed
+    model, a tensor-parallel rank and the engine calls replayed over ranks all stand in for one."""
+
+    model: PreTrainedModel
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config

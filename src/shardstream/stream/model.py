@@ -31,7 +31,7 @@ from .ends import Ends
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
-from .meta import build_meta_model, common_module
+from .meta import WrapsModel, build_meta_model, common_module
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_host_budget
@@ -59,7 +59,7 @@ def _check_files(store: Store) -> None:
             )
 
 
-class StreamingModel:
+class StreamingModel(WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
     longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
@@ -257,14 +257,6 @@ class StreamingModel:
         self.profile.record(index, read, waited, seconds)
 
     # -- the transformers surface ------------------------------------------------------------
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def generation_config(self):
-        return self.model.generation_config
 
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass (transformers' semantics: `.logits`, `past_key_values` ...)."""

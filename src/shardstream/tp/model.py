@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import InvalidOption
 from ..store.reader import Store
-from ..stream.meta import build_meta_model
+from ..stream.meta import WrapsModel, build_meta_model
 from ..stream.model import StreamingModel
 from ..stream.residency import resolve_budget
 from ..stream.weights import WeightMapper
@@ -35,7 +35,7 @@ from .layout import FUSED_QKV, Heads, Take
 from .rankstore import exported_view, rank_folder, rank_layout
 
 
-class TensorParallelModel:
+class TensorParallelModel(WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`), on every rank.
 
     `max_resident_memory`, `max_host_memory`, `prefetching`, `prefetch_depth`, `piece_bytes`,
@@ -86,14 +86,6 @@ class TensorParallelModel:
         return self._streaming.resident_blocks
 
     # -- the transformers surface ------------------------------------------------------------
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def generation_config(self):
-        return self.model.generation_config
 
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass on every rank; rank 0's `input_ids` (and attention mask) are used."""

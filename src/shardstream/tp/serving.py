@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from ..errors import GroupLost
 from ..serving import kvcache
+from ..stream.meta import WrapsModel
 
 CACHE_OPS = ("reserved_cache", "merge", "select")
 
@@ -42,7 +43,7 @@ class CacheName:
     number: int
 
 
-class GroupCalls:
+class GroupCalls(WrapsModel):
     """On rank 0: the model and cache operations a BatchEngine calls (`BatchEngine(calls, cache_ops=calls)`),
     each broadcast to the other ranks before it runs here."""
 
@@ -60,14 +61,6 @@ class GroupCalls:
         self._heart.start()
 
     # -- the model, as the engine and the server see it ----------------------------------------
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def generation_config(self):
-        return self.model.generation_config
 
     @property
     def device(self) -> torch.device:
