@@ -158,7 +158,7 @@ def run_rank(args, store: Path) -> dict:
 
     torch.set_num_threads(1)
     clock = CollectiveClock()
-    options = {"max_resident_memory": 0} if args.rank_streams else {}
+    options = {"max_resident_memory": 0} if args.rank_streams else resident_option(args)
     try:
         model = AutoModel.from_pretrained(store, tensor_parallel=True, progress=False, **options)
     except ShardstreamError as error:
@@ -178,7 +178,7 @@ def run_single(args, store: Path) -> dict:
     from shardstream.stream import AutoModel
 
     torch.set_num_threads(1)
-    model = AutoModel.from_pretrained(store, progress=False)
+    model = AutoModel.from_pretrained(store, progress=False, **resident_option(args))
     result = {**decode(model, args), "resident": len(model.resident_blocks), "anon_mib": anon_mib(),
               "cgroup_peak_mib": (reference.cgroup_peak() or 0) >> 20}
     model.close()
@@ -199,7 +199,15 @@ def child_env() -> dict:
 
 def model_options(args) -> list[str]:
     return ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
-            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--workdir", args.workdir]
+            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--workdir", args.workdir,
+            *(["--resident", args.resident] if args.resident else [])]
+
+
+def resident_option(args) -> dict:
+    """--resident as from_pretrained's max_resident_memory (none: its 'auto')."""
+    from shardstream.sizes import parse_size
+
+    return {"max_resident_memory": parse_size(args.resident, "--resident")} if args.resident else {}
 
 
 def capped(command: list[str], cap: str | None, store: Path, core: int) -> list[str]:
@@ -275,8 +283,9 @@ def memory_section(args, store: Path, state: dict) -> str:
                             cell(r, "bytes_per_token", "streams {:,.0f} B per token") for r in ranks),
                  " / ".join(cell(r, "anon_mib", "{}") for r in ranks), " / ".join(cell(r, "cgroup_peak_mib", "{}") for r in ranks)])
     return (f"Aggregate memory: each process (each torchrun agent with its rank) under its own memcap {args.cap} "
-            f"(cold), pinned to its own core, one thread; {args.prompt}-token prompt, {args.new_tokens} greedy "
-            "decode steps with the KV cache. Goal: 2 ranks >= 3x one process.\n\n"
+            f"(cold), pinned to its own core, one thread, max_resident_memory {args.resident or 'auto'}; "
+            f"{args.prompt}-token prompt, {args.new_tokens} greedy decode steps with the KV cache. Goal: 2 ranks "
+            ">= 3x one process.\n\n"
             + markdown_table(["setting", "decode tok/s", "x one process", "same tokens", "bytes read per rank",
                               "resident blocks", "anonymous RSS MiB", "cgroup peak MiB (agent included)"], rows))
 
@@ -465,6 +474,8 @@ def main() -> None:
     parser.add_argument("--workdir", default="artifacts/bench-tp")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {', '.join(SECTIONS)}")
     parser.add_argument("--cap", default="800M", help="memcap limit of each rank's agent and of the one process")
+    parser.add_argument("--resident", help="memory: max_resident_memory of the one process and of each rank "
+                                           "(a size; default 'auto', 3/4 of the memory the cap leaves)")
     parser.add_argument("--stream-cap", default="600M", help="streaming: each rank's memcap limit, less than holding its half takes")
     parser.add_argument("--paper-cores", type=int, default=8, help="paper: cores per machine")
     parser.add_argument("--paper-ram", type=float, default=32, help="paper: GiB of weights a machine holds")

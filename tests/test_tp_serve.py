@@ -111,8 +111,12 @@ def ranks(tiny, tmp_path_factory):
     store, reference, tokenizer = tiny
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    # the ranks stream their shares (no block resident), written into a --tp-cache folder of their own
+    cache = tmp_path_factory.mktemp("tp-cache")
     served = Ranks(store, tmp_path_factory.mktemp("log") / "serve.log", "--api-key", KEY, "--max-batch-size", "8",
-                   "--model-name", "tiny", "--chat-template", str(template))
+                   "--model-name", "tiny", "--chat-template", str(template), "--max-resident-memory", "0",
+                   "--tp-cache", str(cache))
+    assert len(list(cache.glob("*/rank_*"))) == 2
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     yield served, client, reference, tokenizer
     served.stop()
@@ -167,8 +171,8 @@ def test_streaming_logprobs_n_and_chat(ranks):
 
 
 @pytest.mark.parametrize("options, sentence", [
-    (["--tensor-parallel", "--max-resident-memory", "1GB"],
-     "--max-resident-memory cannot be combined with --tensor-parallel yet; leave it out."),
+    (["--tp-cache", "cache"], "--tp-cache goes with --tensor-parallel; leave it out."),
+    (["--tensor-parallel", "--max-host-memory", "1GB"], "--max-host-memory applies only with --device cuda; leave it out."),
     (["--tp-timeout", "60"], "--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel."),
     (["--tensor-parallel", "--tp-timeout", "0"], "--tp-timeout must be a positive number of seconds, not 0.0."),
 ])

@@ -30,6 +30,15 @@ OldHfToken = Annotated[Optional[str], typer.Option("--token", hidden=True)]
 StorePath = Annotated[Optional[str], typer.Option(
     "--store-path", help="When converting: the store folder to convert into (default: a folder in "
                          "~/.cache/shardstream or $SHARDSTREAM_CACHE).")]
+TpCache = Annotated[Optional[str], typer.Option(
+    help="With --tensor-parallel: the folder each rank writes its shares to when the store has no "
+         "`shard --tp N` export (default: STORE/tp).")]
+
+
+def refuse_tp_cache(tp_cache: str | None) -> None:
+    """--tp-cache without --tensor-parallel is a mistake, not an option to ignore."""
+    if tp_cache is not None:
+        raise InvalidOption("--tp-cache goes with --tensor-parallel; leave it out.")
 
 
 def compression(text: str) -> str | None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from ..options import Compression, HfToken, Revision, Sequential, StorePath
+from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, refuse_tp_cache
 from .cli import ComputeDtype, Converting, Device, HostMemory, Resident, Source, open_model
 
 
@@ -39,7 +39,7 @@ def generate_command(
     profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
-    tp_cache: Annotated[Optional[Path], typer.Option(help="With --tensor-parallel: the folder each rank writes its shares to when the store has no `shard --tp N` export (default: STORE/tp).")] = None,
+    tp_cache: TpCache = None,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
     stops = list(stop or [])
@@ -51,10 +51,9 @@ def generate_command(
         given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
                     not no_progress, [name for name, value in given.items() if value is not None], compute_dtype,
-                    converting, max_resident_memory, max_host_memory, None if tp_cache is None else str(tp_cache))
+                    converting, max_resident_memory, max_host_memory, tp_cache)
         return
-    if tp_cache is not None:
-        raise InvalidOption("--tp-cache goes with --tensor-parallel; leave it out.")
+    refuse_tp_cache(tp_cache)
     if (prompt is None) == (prompts_file is None):
         raise InvalidOption("give either --prompt or --prompts-file (with --output).")
     if prompts_file is not None:

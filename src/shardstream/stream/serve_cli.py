@@ -18,7 +18,7 @@ import typer
 
 from ..errors import InvalidOption
 from ..listener import tcp_listener
-from ..options import Compression, HfToken, Revision, Sequential, StorePath, model_id
+from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, refuse_tp_cache
 from ..sizes import parse_size
 from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
 
@@ -85,6 +85,7 @@ def serve_command(
     tensor_parallel: Annotated[bool, typer.Option(
         "--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md): "
                                   "rank 0 serves, the other ranks bind no port.")] = False,
+    tp_cache: TpCache = None,
     tp_timeout: Annotated[Optional[float], typer.Option(
         help="With --tensor-parallel: seconds a rank waits for the others in a collective before the group counts "
              "as lost (also while a checkpoint is converted at start). Default: 300.")] = None,
@@ -95,17 +96,16 @@ def serve_command(
                         parse_size(max_request_size, "--max-request-size"), quiet)
     converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
-        from ..tp.cli import refuse_unsupported
-
-        given = {"--max-resident-memory": max_resident_memory, "--max-host-memory": max_host_memory}
-        refuse_unsupported([name for name, value in given.items() if value != "auto"])
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         if not timeout > 0:
             raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout}.")
+        from .cli import memory_options
         from ..tp.serve import serve_tp
 
-        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout)
+        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout,
+                 memory_options(max_resident_memory, max_host_memory, device), tp_cache)
         return
+    refuse_tp_cache(tp_cache)
     if tp_timeout is not None:
         raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
     listener = bind(host, port)

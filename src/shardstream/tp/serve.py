@@ -32,8 +32,10 @@ CLOSE_S = 10.0   # how long the last replies and a clean stop may take (the engi
 
 
 def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, store_path: str | None,
-             converting: Converting, progress: bool, timeout_s: float) -> None:
-    """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked)."""
+             converting: Converting, progress: bool, timeout_s: float, memory: tuple[int | str, int | str],
+             tp_cache: str | None) -> None:
+    """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked); each rank
+    streams its shares within `memory` (--max-resident-memory, --max-host-memory) as generate's do."""
     from ..stream.compute_dtype import parse_compute_dtype
 
     parse_compute_dtype(compute_dtype, "--compute-dtype")
@@ -42,7 +44,7 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, s
 
     def open_model():
         join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
-        return open_rank(source, store_path, device, compute_dtype, converting, progress)
+        return open_rank(source, store_path, device, compute_dtype, converting, progress, *memory, tp_cache)
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     if rank != 0:
