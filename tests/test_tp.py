@@ -23,7 +23,7 @@ from shardstream.errors import InvalidOption
 from shardstream.shard import export_tp, load_index, place_experts
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
-from shardstream.stream.model import AutoModel, StreamingModel
+from shardstream.stream import AutoModel, StreamingModel
 from shardstream.tp.rankstore import RankLayout, exported_view, rank_folder, rank_layout
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 

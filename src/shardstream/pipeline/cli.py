@@ -200,7 +200,7 @@ def coordinator_command(
 ) -> None:
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
-    from ..stream.serve_cli import read_template
+    from ..serving.endpoint import read_template
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
     from .client import AgentClient

@@ -8,8 +8,12 @@ __all__ = ["AutoModel", "StreamingModel"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from . import model
+    if name == "AutoModel":
+        from .auto import AutoModel
 
-        return getattr(model, name)
+        return AutoModel
+    if name == "StreamingModel":
+        from .model import StreamingModel
+
+        return StreamingModel
     raise AttributeError(f"module 'shardstream.stream' has no attribute {name!r}")

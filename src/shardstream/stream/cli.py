@@ -67,7 +67,7 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
 
     check_device(device)
     budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
-    from .model import AutoModel
+    from .auto import AutoModel
 
     converting = converting or Converting()
     with _compute_dtype_to_stderr(compute_dtype):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
-from .model import AutoModel, StreamingModel
+from .auto import AutoModel
+from .model import StreamingModel
 from ..serving.text import load_tokenizer
 
 

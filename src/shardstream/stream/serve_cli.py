@@ -5,49 +5,19 @@ The port is bound before the model loads, so a port in use is said at once, not 
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import signal
-import socket
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import InvalidOption
-from ..listener import tcp_listener
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, refuse_tp_cache
 from ..sizes import parse_size
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class
 from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """What serve's HTTP side is told: where it listens and how it answers (one process or TP's rank 0)."""
-
-    host: str
-    port: int
-    names: list[str]
-    max_batch_size: int
-    api_key: str | None
-    template: str | None
-    max_request_bytes: int
-    quiet: bool
-
-    def app(self, model, tokenizer, engine):
-        """The OpenAI API over `engine`, logging a line per request unless quiet."""
-        from ..serving.server import create_app
-
-        return create_app(model, tokenizer, self.names[0], engine=engine, aliases=tuple(self.names[1:]),
-                          api_key=self.api_key, chat_template=self.template, max_request_bytes=self.max_request_bytes)
-
-    def listening(self, port: int, more: str = "") -> str:
-        return (f"shardstream serve: listening on http://{self.host}:{port} (model {', '.join(self.names)}; "
-                f"batches of up to {self.max_batch_size}{more})")
 
 
 def serve_command(
@@ -132,50 +102,3 @@ def serve_command(
         finally:
             engine.close()
             say("shardstream serve: stopped")
-
-
-def log_batch_bounds() -> None:
-    """The engine's INFO lines (which bound limits the batch: --max-batch-size or memory) go to stderr,
-    even with --quiet."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("shardstream serve: %(message)s"))
-    engine_log = logging.getLogger("shardstream.batching")
-    engine_log.addHandler(handler)
-    engine_log.setLevel(logging.INFO)
-
-
-def server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after shutting down, which would kill the process before the engine
-        closes and the shutdown line prints; serve handles the signals itself."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-    return Server
-
-
-def bind(host: str, port: int) -> socket.socket:
-    try:
-        listener = tcp_listener(host, port)
-    except OSError as error:
-        raise InvalidOption(f"cannot listen on {host}:{port} ({error.strerror}); stop what uses that port or "
-                            "choose another --port.") from None
-    listener.listen(2048)
-    return listener
-
-
-def read_template(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise InvalidOption(f"cannot read --chat-template {path} ({error.strerror}); give a readable Jinja file.") from None
-
-
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ def open_rank(source: str, store_path: str | None, device: str, compute_dtype: s
               tp_cache: str | None = None):
     """This rank's model, streaming its shares within the memory options (bytes or 'auto', as
     from_pretrained takes them); a checkpoint is converted first with `converting`'s options (once per machine)."""
-    from ..stream.model import AutoModel
+    from ..stream.auto import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      sequential_shard_processing=converting.sequential,

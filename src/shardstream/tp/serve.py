@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
 from ..stream.cli import Converting, check_device
-from ..stream.serve_cli import Endpoint, bind, log_batch_bounds, say, server_class
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, server_class
 from .cli import open_rank
 from .group import check_torchrun, join_group
 from .serving import GroupCalls, error_gist, follow

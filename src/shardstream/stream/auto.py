@@ -1,0 +1,102 @@
+"""`AutoModel.from_pretrained`: the front door. It converts a checkpoint into a store when one is named,
+then opens it as one streaming model, or as this process's rank of a tensor-parallel group."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InvalidOption
+from ..store import Store
+from .airllm_compat import hub_token, refuse_training_switches
+from .compute_dtype import parse_compute_dtype
+from .model import StreamingModel
+from .resolve import ensure_store
+
+
+class AutoModel:
+    """`AutoModel.from_pretrained(...)`: convert if needed, then stream."""
+
+    @staticmethod
+    def from_pretrained(
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        layer_shards_saving_path: str | os.PathLike | None = None,
+        sequential_shard_processing: bool = False,
+        compression: str | None = None,
+        delete_original: bool = False,
+        profiling_mode: bool = False,
+        prefetching: bool = True,
+        prefetch_depth: int = 1,
+        device: str | torch.device = "cpu",
+        max_resident_memory: int | str | None = "auto",
+        verify_checksums: bool = True,
+        dtype: torch.dtype | None = None,
+        compute_dtype: str | torch.dtype = "auto",
+        experts: str = "with_block",
+        token: str | None = None,
+        revision: str | None = None,
+        progress: bool = True,
+        piece_bytes: int | None = None,
+        max_host_memory: int | str | None = "auto",
+        max_seq_len: int | None = None,
+        hf_token: str | None = None,
+        install_hooks: bool = True,
+        load_resident: bool = True,
+        tensor_parallel: bool = False,
+        tp_cache: str | os.PathLike | None = None,
+    ) -> StreamingModel:
+        """Open (or first convert into) the store, then build the streaming model over it.
+
+        `pretrained_model_name_or_path` is a Hub id, an HTTP(S) base URL, a checkpoint folder or a
+        store folder; `layer_shards_saving_path` is where the store lives (default
+        ~/.cache/shardstream/<slug>). The converter options apply only when a conversion runs.
+        `experts="on_demand"` reads only the MoE experts the router picks, from their tiers (see
+        docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
+        `piece_bytes`: the most bytes of a streamed block's big modules in memory at once (pieces.py;
+        default 64 MiB; a batch engine's model passes 16 MiB, leaving memory to its KV caches).
+        `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
+        after their first read, so that a token only copies them to the GPU ('auto': half the RAM
+        available; 0: read every token).
+        `max_seq_len`: the longest prompt plus new tokens a call may run (default: the model's context).
+        AirLLM 4.0's parameters are all taken (docs/STREAMING.md has the table): `hf_token` is `token`,
+        and `install_hooks`/`load_resident`, its switches for LoRA training, are refused when False.
+        `tensor_parallel=True`: this process is one rank of a torchrun group (or of an initialized
+        torch.distributed group); it reads and runs only its share of the weights (docs/TENSOR_PARALLEL.md),
+        streamed with the options above as one machine streams the whole model (`experts` aside); `tp_cache`:
+        where a rank writes its shares when the store has no `shardstream shard --tp N` export (default
+        `<store>/tp`).
+        `compute_dtype`: the dtype the model computes in; 'auto' keeps the checkpoint's where the device
+        multiplies it fast, else float32 (the store's bytes are read as stored and converted piece by
+        piece; compute_dtype.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
+        (AirLLM's name) is the same option and wins when given.
+        """
+        token = hub_token(token, hf_token)
+        refuse_training_switches(install_hooks, load_resident)
+        if max_seq_len is not None and max_seq_len < 1:
+            raise InvalidOption(f"max_seq_len must be at least 1, not {max_seq_len}.")
+        compute_dtype = compute_dtype if dtype is None else dtype
+        parse_compute_dtype(compute_dtype)   # a mistyped option before any conversion
+
+        def open_store() -> Store:
+            return ensure_store(
+                pretrained_model_name_or_path, layer_shards_saving_path,
+                sequential_shard_processing=sequential_shard_processing, compression=compression,
+                delete_original=delete_original, profiling_mode=profiling_mode,
+                token=token, revision=revision, progress=progress,
+            )
+
+        streaming = dict(prefetching=prefetching, prefetch_depth=prefetch_depth,
+                         max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
+                         verify_checksums=verify_checksums, compute_dtype=compute_dtype, piece_bytes=piece_bytes,
+                         max_host_memory=max_host_memory, max_seq_len=max_seq_len)
+        if tensor_parallel:
+            from ..tp.model import open_tensor_parallel
+
+            if experts != "with_block":
+                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
+            return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
+        if tp_cache is not None:
+            raise InvalidOption("tp_cache goes with tensor_parallel=True; leave it out.")
+        return StreamingModel(open_store(), device=device, experts=experts, **streaming)
