@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import re
 import socket
 import subprocess
@@ -307,6 +308,31 @@ def test_generate_command_streams_the_ranks_and_prints_the_greedy_text_once(runs
                    "--prompt", "Hello", "--max-new-tokens", "8", "--no-progress", "--max-resident-memory", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert text.strip() and done.stdout.strip() == text.strip()
+
+
+def test_two_machines_each_with_its_own_copy_of_the_store(runs, tmp_path):
+    """Two torchrun agents, as on two machines (`--nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT`, the
+    two-machine example of docs/TENSOR_PARALLEL.md), each rank streaming from its own folder: rank 0 prints
+    transformers' greedy text, the other prints nothing."""
+    stores, references, _ = runs
+    tokenizer = char_tokenizer()
+    ids = tokenizer("Hello", return_tensors="pt")
+    expected = references["llama"].generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    text = tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    port = _free_port()
+    agents = []
+    for node in (0, 1):
+        copy = shutil.copytree(stores["llama"], tmp_path / f"machine{node}" / "store", ignore=shutil.ignore_patterns("tp"))
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "shardstream", "generate",
+             str(copy), "--tensor-parallel", "--prompt", "Hello", "--max-new-tokens", "8", "--no-progress",
+             "--max-resident-memory", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    (out0, err0), (out1, err1) = (agent.communicate(timeout=600) for agent in agents)
+    assert agents[0].returncode == agents[1].returncode == 0, (err0 + err1)[-3000:]
+    assert text.strip() and out0.strip() == text.strip() and out1.strip() == ""
+    assert all((tmp_path / f"machine{node}" / "store" / "tp").is_dir() for node in (0, 1))   # each wrote its shares
 
 
 def test_tensor_parallel_outside_torchrun_is_one_sentence(runs):
