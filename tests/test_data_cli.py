@@ -120,7 +120,7 @@ def test_ctrl_c_or_sigterm_stops_every_worker_with_one_line(tmp_path, tiny_model
     write_txt(tmp_path / "corpus.txt", 2000)
     args = ["train", "--model", tiny_model, "--dataset-file", "corpus.txt", "--output", "runs/my run", "--cache-dir", "cache",
             "--samples-per-block", "1000", "--dataset-chunk-size", "500", "--batch-size", "2", "--seq-len", "16",
-            "--log-file", "steps.jsonl", *workers]
+            "--log-file", "steps.jsonl", "--iterate", *workers]   # --iterate: only the signal ends the run
     proc = subprocess.Popen([sys.executable, "-m", "shardstream", *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     log, deadline = tmp_path / "steps.jsonl", time.time() + 120
