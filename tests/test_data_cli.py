@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,8 +123,10 @@ def test_ctrl_c_or_sigterm_stops_every_worker_with_one_line(tmp_path, tiny_model
     args = ["train", "--model", tiny_model, "--dataset-file", "corpus.txt", "--output", "runs/my run", "--cache-dir", "cache",
             "--samples-per-block", "1000", "--dataset-chunk-size", "500", "--batch-size", "2", "--seq-len", "16",
             "--log-file", "steps.jsonl", "--iterate", *workers]   # --iterate: only the signal ends the run
+    # as from a terminal: SIGINT at its default, not ignored or blocked as the test process (a pytest-xdist
+    # worker that ran other tests) may pass it on
     proc = subprocess.Popen([sys.executable, "-m", "shardstream", *map(str, args)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     log, deadline = tmp_path / "steps.jsonl", time.time() + 120
     while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
@@ -130,8 +134,12 @@ def test_ctrl_c_or_sigterm_stops_every_worker_with_one_line(tmp_path, tiny_model
     try:
         assert log.exists() and proc.poll() is None, "no worker trained a step"
         assert len(children) >= 2
+        dispositions = re.findall(r"Sig(?:Blk|Ign):\s+\w+", Path(f"/proc/{proc.pid}/status").read_text())
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run went on after the signal (its {dispositions})") from None
         assert proc.returncode != 0 and "Traceback" not in err, err
         assert err.strip().splitlines() == ["interrupted; re-run the same command to continue where it stopped."], err
         _, alive = psutil.wait_procs(children, timeout=10)
@@ -140,6 +148,11 @@ def test_ctrl_c_or_sigterm_stops_every_worker_with_one_line(tmp_path, tiny_model
         for process in [*children, proc]:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 process.kill()
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def test_two_workers_with_one_chunk_save_the_trained_replica_undiluted(tmp_path, tiny_model):
