@@ -97,7 +97,8 @@ class BlockLoader:
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
                  experts: bool = True, reading: str | None = None):
         self.store = store
-        self.use_reading(block_reading(store, copy_free=device.type == "cuda") if reading is None else reading)
+        # how streamed blocks are read ('mapped', 'dropped', 'direct': direct.READINGS); may change once
+        self.reading = block_reading(store, copy_free=device.type == "cuda") if reading is None else reading
         self._pool = BufferPool(pin=device.type == "cuda")
         self._experts = experts   # False: experts stored apart are left out (loaded on demand)
         self.mapper = mapper
@@ -132,13 +133,15 @@ class BlockLoader:
         self._block_capacity = max((files[f].size for p, rec in self.store.manifest.parts.items()
                                     if p.startswith("mid/") for f in rec.files), default=0)
 
-    def use_reading(self, reading: str) -> None:
-        """Read streamed blocks this way from now on: 'mapped', 'dropped' or 'direct' (direct.READINGS)."""
-        self.direct, self.dropped = reading == "direct", reading == "dropped"
+    @property
+    def direct(self) -> bool:
+        """Streamed blocks are read with O_DIRECT."""
+        return self.reading == "direct"
 
     @property
-    def reading(self) -> str:
-        return "direct" if self.direct else "dropped" if self.dropped else "mapped"
+    def dropped(self) -> bool:
+        """Streamed blocks are read through the page cache and dropped from it at once."""
+        return self.reading == "dropped"
 
     def close(self) -> None:
         self._kept.clear()
@@ -283,7 +286,7 @@ class BlockLoader:
                 try:
                     tensors.update(self._read_direct(part, verify, keep))
                 except DirectUnsupported:
-                    self.direct = False
+                    self.reading = "mapped"
             if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
                                         mappings=getattr(self._collect, "mappings", None), keep_quantized=keep,
@@ -373,7 +376,7 @@ class BlockLoader:
                 try:
                     located = self._read_piece_into_buffer(key, buffers, keep)
                 except DirectUnsupported:
-                    self.direct = False
+                    self.reading = "mapped"
                     if self._pool.pin:
                         located = self._read_piece_into_buffer(key, buffers, keep)
             if located is None:
@@ -412,7 +415,7 @@ class BlockLoader:
                         verify_unkept(self.store, file_name, self.direct)
                         continue
                     except DirectUnsupported:
-                        self.direct = False
+                        self.reading = "mapped"
                 verify_mapped(self.store, file_name)
             self._verified.add(part)
 

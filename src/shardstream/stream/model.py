@@ -117,7 +117,7 @@ class StreamingModel(WrapsModel):
         # asked again now that the resident parts are in memory: under a cap they count against it (a 4-bit
         # Llama-3.2-1B's head, dequantized, left its 0.53 GB of blocks no room in the page cache of a 1200 MiB cap)
         if self._loader.reading == "mapped":
-            self._loader.use_reading(block_reading(store, copy_free=self.device.type == "cuda"))
+            self._loader.reading = block_reading(store, copy_free=self.device.type == "cuda")
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, verify_checksums)
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
@@ -309,7 +309,7 @@ class StreamingModel(WrapsModel):
         if self._loader.reading != "direct":
             reading = block_reading(self.store, memory=0, copy_free=True)
             if reading != "mapped":
-                self._loader.use_reading(reading)
+                self._loader.reading = reading
 
     def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
         """Refuse a prompt (plus the tokens to generate) longer than the model's context or `max_seq_len`."""
