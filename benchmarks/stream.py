@@ -23,6 +23,8 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   Each cell also gives the CPU time the hypervisor gave to other guests during each round
   (`steal` in /proc/stat, when 0.5% or more): a compute-bound batch slows by about that much.
 - quant4, quant8: serve and offline on a 4-bit (8-bit) store of the same checkpoint.
+- prefill: a `--prefill-tokens` prompt (2048), `generate(max_new_tokens=1)`: transformers fully in memory
+  without a cap against `--prefill-modes` under the cap, alternating per round (`--repeat`).
 - speculative: `generate --prompt` plain and with `--draft`, on the demo pair with its target widened to
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
   computes the target's own function).
@@ -179,6 +181,58 @@ def run_one(mode: str, args) -> dict:
         result["compute_ms"] = 1e3 * compute / args.new_tokens
         model.close()
     return result
+
+
+def run_prefill(mode: str, args) -> dict:
+    """Seconds of `generate(max_new_tokens=1)` on a --prefill-tokens prompt: the prefill, in as many passes
+    as the runtime chooses (shardstream chunks it when one pass would not fit the memory left)."""
+    import resource
+
+    import torch
+
+    ckpt, store = build(args)
+    model = open_backend(mode, ckpt, store, ckpt.parent, torch.bfloat16 if args.shape else torch.float32)
+    ids = torch.randint(3, args.vocab, (1, args.prefill_tokens), generator=torch.Generator().manual_seed(0))
+    streaming = mode.split("-")[0] in ("stream", "resident")
+    chunk = model.prefill_chunk(1, args.prefill_tokens, 1) if streaming else None   # what generate chooses now
+    with torch.no_grad():
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+        seconds = time.perf_counter() - started
+    result = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}
+    if streaming:
+        result["chunk"], result["resident"] = chunk, len(model.resident_blocks)
+        model.close()
+    return result
+
+
+def long_prompt(args, store: Path, cap: str) -> None:
+    """Prefill of a --prefill-tokens prompt, each round alternating: transformers fully in memory without a
+    cap (the goal's yardstick), then each streaming setting of --prefill-modes under `cap`, cold."""
+    modes = [m for m in args.prefill_modes.split(",") if m]
+    rows, ratios = [], collections.defaultdict(list)
+    for round_ in range(1, args.repeat + 1):
+        base = child(args, "--prefill", "memory", "--prefill-tokens", str(args.prefill_tokens))
+        print(f"round {round_} memory: {base}", file=sys.stderr, flush=True)
+        rows.append([str(round_), NAMES["memory"] + ", no cap", *(
+            [f"{base['seconds']:.1f}", "1.00x", "", "", f"{base['rss_mib']} (RSS)"] if isinstance(base, dict) else [base, "", "", "", ""])])
+        for mode in modes:
+            result = child(args, "--prefill", mode, "--prefill-tokens", str(args.prefill_tokens), cap=cap, cold=store)
+            print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
+            if not isinstance(result, dict):
+                rows.append([str(round_), f"{NAMES[mode]}, memcap {cap}", result, "", "", "", ""])
+                continue
+            ratio = result["seconds"] / base["seconds"] if isinstance(base, dict) else float("nan")
+            ratios[mode].append(ratio)
+            rows.append([str(round_), f"{NAMES[mode]}, memcap {cap}", f"{result['seconds']:.1f}", f"{ratio:.2f}x",
+                         str(result["chunk"]), str(result["resident"]), result.get("peak", "")])
+    print(f"\nPrefill of a {args.prefill_tokens}-token prompt (`generate(max_new_tokens=1)`), seconds; streaming "
+          f"settings under memcap {cap} (cold), transformers in memory without a cap, alternating.\n")
+    print(markdown_table(["round", "setting", "prefill s", "/ transformers in memory", "tokens per pass",
+                          "resident blocks", "peak"], rows))
+    for mode, values in ratios.items():
+        print(f"\n{NAMES[mode]}: prefill / transformers in memory over {len(values)} round(s): "
+              f"{min(values):.2f}x-{max(values):.2f}x")
 
 
 def read_files(paths: list[Path], threads: int, chunk: int, direct: bool = False) -> float:
@@ -559,7 +613,7 @@ def main() -> None:
                                       "llama-3.2-1b, 4000M for qwen2.5-7b, 600M for --size)")
     parser.add_argument("--sections", default="single",
                         help="comma-separated: single (one stream vs floor and peers), serve, offline, quant4, quant8 "
-                             "(serve and offline on a 4-bit or 8-bit store), speculative; default single")
+                             "(serve and offline on a 4-bit or 8-bit store), speculative, prefill (a long prompt); default single")
     parser.add_argument("--modes", default="stream,resident,resident-mapped,accelerate",
                         help=f"single-stream settings, comma-separated, from {', '.join(NAMES)}")
     parser.add_argument("--repeat", type=int, default=1, help="single-stream rounds (floor re-measured each round)")
@@ -572,6 +626,10 @@ def main() -> None:
     parser.add_argument("--airllm", help="python of a venv holding airllm==4.0.0 (row (d)); left out when not given")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--read", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="prefill: prompt length")
+    parser.add_argument("--prefill-modes", default="resident,stream",
+                        help="prefill: streaming settings run under the cap, beside transformers in memory")
     args = parser.parse_args()
     if args.shape:
         config = shape_config(args.shape, args.layers)
@@ -583,6 +641,9 @@ def main() -> None:
 
     if args.run:
         print(json.dumps(run_one(args.run, args)))
+        return
+    if args.prefill:
+        print(json.dumps(run_prefill(args.prefill, args)))
         return
     ckpt, store = build(args) if not args.read else (None, work_dir(args) / "store")
     from shardstream.store import open_store
@@ -621,6 +682,8 @@ def main() -> None:
                                "prompts and --batch-size N, process wall time (load included).", table, sizes))
     if "speculative" in sections:
         print("\n" + speculative(args, cap))
+    if "prefill" in sections:
+        long_prompt(args, store, cap)
     kind = f"{args.shape}-shaped bf16" if args.shape else "Llama-shaped fp32"
     model = (f"Model: {kind} (random weights), hidden {args.hidden}, vocab {args.vocab}, {args.layers} blocks of "
              f"{max(block_bytes) / MB:.1f} MB + {fixed / MB:.0f} MB embeddings/head = {(per_token + fixed) / MB:.0f} MB; "
