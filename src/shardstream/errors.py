@@ -109,3 +109,8 @@ class PipelineUnavailable(ShardstreamError, ConnectionError):
 class GroupLost(ShardstreamError, ConnectionError):
     """A tensor-parallel rank died or stopped answering (or torchrun stopped the group): the group cannot
     compute until torchrun starts it again."""
+
+
+class InsufficientMemory(ShardstreamError, MemoryError):
+    """The memory this process may use cannot hold what streaming needs at once (one piece of a block), so
+    the kernel would kill it in the middle of a pass."""

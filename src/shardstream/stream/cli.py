@@ -31,6 +31,9 @@ HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of stre
                                               "available), 0 (read them every token) or a size like 16GB.")]
 ComputeDtype = Annotated[str, typer.Option(help="Dtype the model computes in: auto (the checkpoint's where the device multiplies "
                                                 "it fast, else float32; stderr says which and why), float32, bfloat16 or float16.")]
+Experts = Annotated[str, typer.Option(help="MoE experts: with-block (read with their block) or on-demand (only those the router "
+                                          "picks; the store's experts placed apart first: `shardstream shard STORE --experts`).")]
+EXPERT_OPTIONS = {"with-block": "with_block", "on-demand": "on_demand"}
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -58,7 +61,7 @@ def check_device(device: str) -> None:
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
                max_host_memory: str = "auto", converting: Converting | None = None,
-               compute_dtype: str = "auto") -> StreamingModel:
+               compute_dtype: str = "auto", experts: str = "with-block") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
     sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
@@ -66,6 +69,8 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     from .residency import batch_resident_budget
 
     check_device(device)
+    if experts not in EXPERT_OPTIONS:
+        raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
     budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
     from .auto import AutoModel
 
@@ -77,7 +82,14 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          token=converting.hf_token, revision=converting.revision,
                                          max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                         max_host_memory=host, compute_dtype=compute_dtype)
+                                         max_host_memory=host, compute_dtype=compute_dtype,
+                                         experts=EXPERT_OPTIONS[experts])
+
+
+def refuse_experts_with_tp(experts: str) -> None:
+    """Tensor-parallel ranks hold whole experts with their blocks (docs/TENSOR_PARALLEL.md)."""
+    if experts != "with-block":
+        raise InvalidOption(f"--experts {experts} cannot be combined with --tensor-parallel; leave --experts out.")
 
 
 def memory_options(max_resident_memory: str, max_host_memory: str, device: str) -> tuple[int | str, int | str]:

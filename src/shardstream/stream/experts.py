@@ -37,8 +37,8 @@ class ExpertlessLoader(BlockLoader):
         self._skip = skip
 
     def read(self, parts: list[str], resident: bool = False, keep: frozenset[str] | None = None,
-             tied: bool = True) -> dict[str, torch.Tensor]:
-        return {n: t for n, t in super().read(parts, resident, keep, tied).items() if n not in self._skip}
+             tied: bool = True, mappings: list | None = None) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in super().read(parts, resident, keep, tied, mappings).items() if n not in self._skip}
 
     def checkpoint_keys(self, index: int) -> list[str]:
         return [n for n in super().checkpoint_keys(index) if n not in self._skip]
@@ -99,6 +99,11 @@ class OnDemandExperts:
             module = model.get_submodule(prefix)
             self._layers[layer] = _Layer(module, prefix)
             self.hooks.append(module.register_forward_pre_hook(functools.partial(self._before, layer), with_kwargs=True))
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the largest block's fused expert parameters, all filled when a pass routes to every expert."""
+        return max(sum(p.nbytes for p in state.meta.values()) for state in self._layers.values())
 
     def _before(self, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = self._layers[layer]

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import InvalidOption
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, refuse_tp_cache
-from .cli import ComputeDtype, Converting, Device, HostMemory, Resident, Source, open_model
+from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, open_model, refuse_experts_with_tp
 
 
 def generate_command(
@@ -31,6 +31,7 @@ def generate_command(
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     compute_dtype: ComputeDtype = "auto",
+    experts: Experts = "with-block",
     store_path: StorePath = None,
     sequential: Sequential = False,
     compression: Compression = "none",
@@ -48,6 +49,7 @@ def generate_command(
         from ..tp.cli import generate_tp
 
         _check_utf8(prompt or "")
+        refuse_experts_with_tp(experts)
         given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
                     not no_progress, [name for name, value in given.items() if value is not None], compute_dtype,
@@ -67,7 +69,7 @@ def generate_command(
         prompts, done = pending(prompts_file, output, batch_size)
         with open_model(source, store_path, max_resident_memory, device, False, not no_progress,
                         batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
-                        converting=converting, compute_dtype=compute_dtype) as model:
+                        converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
             answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
                 max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
                 seed, not no_progress)
@@ -77,7 +79,7 @@ def generate_command(
     _check_utf8(prompt)
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
                 max_resident_memory, device, store_path, profile, not no_progress, max_host_memory, converting,
-                compute_dtype)
+                compute_dtype, experts)
 
 
 def _check_utf8(prompt: str) -> None:
@@ -93,7 +95,7 @@ def _check_utf8(prompt: str) -> None:
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                 seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
                 max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool,
-                max_host_memory: str, converting: Converting, compute_dtype: str) -> None:
+                max_host_memory: str, converting: Converting, compute_dtype: str, experts: str) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -104,7 +106,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,
                                                max_host_memory=max_host_memory, converting=converting,
-                                               compute_dtype=compute_dtype))
+                                               compute_dtype=compute_dtype, experts=experts))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

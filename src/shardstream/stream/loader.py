@@ -17,7 +17,7 @@ from .. import quant
 from ..store import Store
 from ..store.partfile import tensor_from_bytes
 from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, block_reading, read_direct, read_ranges, verify_unkept
-from .mapped import cool, map_part, map_ranges, spans, verify_mapped
+from .mapped import cool, map_part, map_ranges, release_unviewed, spans, verify_mapped
 from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import PIECE_BYTES, Piece
 from .weights import WeightMapper
@@ -271,11 +271,11 @@ class BlockLoader:
                 sizes.update({key: size for key in group if key in need})
 
     def read(self, parts: list[str], resident: bool = False, keep: frozenset[str] | None = None,
-             tied: bool = True) -> dict[str, torch.Tensor]:
+             tied: bool = True, mappings: list | None = None) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
-        files, or (for a block, inside `load`) pool buffers read with O_DIRECT. Packed where marked
-        (`pack_linear_weights`; in a `resident` part, only where packed products are the faster), or
-        where `keep` says. `tied=False` leaves tied aliases out (see `Store.load`)."""
+        files (appended to `mappings` when given), or (for a block, inside `load`) pool buffers read with
+        O_DIRECT. Packed where marked (`pack_linear_weights`; in a `resident` part, only where packed
+        products are the faster), or where `keep` says. `tied=False` leaves tied aliases out (see `Store.load`)."""
         if keep is None:
             keep = self._resident_packed if resident else self.packed_keys
         tensors: dict[str, torch.Tensor] = {}
@@ -289,7 +289,8 @@ class BlockLoader:
                     self.reading = "mapped"
             if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
-                                        mappings=getattr(self._collect, "mappings", None), keep_quantized=keep,
+                                        mappings=getattr(self._collect, "mappings", None) if mappings is None else mappings,
+                                        keep_quantized=keep,
                                         tied=tied))
             if verify:
                 self._verified.add(part)
@@ -333,6 +334,8 @@ class BlockLoader:
         finally:
             self._collect.mappings = self._collect.buffers = None
         block = self.to_device(index, tensors)
+        if resident:   # in memory for good: the file pages that conversion copied are not kept as well
+            release_unviewed(mappings, block.params.values())
         block.mappings, block.buffers, block.pool = mappings, buffers, self._pool
         block.read_seconds = time.perf_counter() - started
         return block

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from ..quant import QuantizedTensor
 from ..store import Store, problems
 from ..store.checksum import checksum_bytes, checksum_file
 from ..store.manifest import TensorRecord
@@ -89,6 +91,35 @@ def _map_file(store: Store, file_name: str, verify: bool = False,
         for begin, end in pages:  # fault the pages in now, on this thread
             np.frombuffer(mapping, dtype=np.uint8, count=end - begin, offset=begin)[::PAGE].max()
     return mapping
+
+
+def release_unviewed(mappings: list[mmap.mmap], tensors: Iterable[torch.Tensor | QuantizedTensor]) -> int:
+    """Unmap from this process the pages of these mappings that none of `tensors` views: what conversion
+    copied (a Mixtral block's experts stacked into one tensor, weights cast to another compute dtype), so that
+    a resident part is not in memory twice, once as the file's pages and once converted (a 2-layer Mixtral-8x7B-
+    shaped store held 5.9 GB mapped beside 5.6 GB of stacked experts). The pages stay in the page cache, where
+    the kernel may reclaim them; a page touched again is read back. Returns the bytes released."""
+    views = []
+    for tensor in tensors:
+        for part in (tensor.data, tensor.absmax) if isinstance(tensor, QuantizedTensor) else (tensor,):
+            if part.device.type == "cpu" and part.numel():
+                storage = part.untyped_storage()
+                views.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    views.sort()
+    released = 0
+    for mapping in mappings:
+        try:
+            base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        except (ValueError, TypeError):   # closed
+            continue
+        at = base
+        for begin, end in [*((b, e) for b, e in views if e > base and b < base + len(mapping)), (base + len(mapping), 0)]:
+            first, last = -(-(at - base) // PAGE) * PAGE, (begin - base) // PAGE * PAGE   # whole pages of the gap
+            if last > first:
+                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+                released += last - first
+            at = max(at, end)
+    return released
 
 
 MADV_COLD = getattr(mmap, "MADV_COLD", 20)  # Linux 5.4+; Python's mmap module may not name it

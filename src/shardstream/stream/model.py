@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -17,7 +18,8 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import DraftMismatch, InvalidOption, StoreIncomplete, UnsupportedModel
+from ..errors import DraftMismatch, InsufficientMemory, InvalidOption, StoreIncomplete, UnsupportedModel
+from ..memory import available_memory
 from ..quant import QuantizedTensor
 from ..serving.admission import Shape, prefill_chunk, room
 from ..serving.text import check_context
@@ -29,6 +31,7 @@ from .ends import Ends
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
+from .mapped import release_unviewed
 from .meta import WrapsModel, build_meta_model, common_module
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
@@ -126,6 +129,7 @@ class StreamingModel(WrapsModel):
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
         self.pieces = {k: pieces[k] for k in streamed}
         self.stream_working_set = working_set(self.pieces, in_flight)
+        self._check_room()
         self._hooks = list(self.experts.hooks) if self.experts else []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
@@ -193,6 +197,27 @@ class StreamingModel(WrapsModel):
         self._loader.plan(plan, frozenset(key for key in plan if held_through(pieces[key[0]], key[1])))
         return pieces
 
+    def _check_room(self) -> None:
+        """Refuse, before the first pass, a model whose largest streamed piece cannot fit in the memory left on
+        the CPU (the kernel would kill the process mid-pass): one sentence saying what it needs and what to do.
+        A Mixtral-8x7B block's experts are one tensor each in transformers: 2.8 GB of bf16 at once, with its
+        block or (`experts='on_demand'`, when a pass routes to every expert) filled expert by expert."""
+        if self.device.type != "cpu" or not self.pieces:
+            return
+        piece = max((p for pieces in self.pieces.values() for p in pieces), key=lambda p: p.nbytes)
+        need, where = piece.nbytes, os.path.commonprefix(sorted(piece.names)).rsplit(".", 1)[0]
+        if self.experts and self.experts.layer_bytes > need:
+            need, where = self.experts.layer_bytes, "the experts of one block, filled on demand"
+        available, capped = available_memory()
+        if need <= available:
+            return
+        limit = "the memory limit of its container (cgroup)" if capped else "the RAM available"
+        raise InsufficientMemory(
+            f"streaming {self.store.root} needs {need >> 20} MiB at once ({where or ', '.join(sorted(piece.names))}), "
+            f"but {limit} leaves {available >> 20} MiB once the resident parts are loaded; give it at least "
+            f"{(need - available >> 20) + 1} MiB more, or stream a 4-bit store (`shardstream convert --compression 4bit`)."
+        )
+
     def _fill_resident_parts(self, mapper: WeightMapper, prefixes: list[str], place: Callable[[], int]) -> int:
         """Embeddings, final norm, head (and anything else outside the blocks) stay in memory, each read
         once (a tied head is the embedding's tensor, not a second copy), but for the big embedding/head
@@ -202,7 +227,8 @@ class StreamingModel(WrapsModel):
         self._resident_slots = Slots(self.model, exclude=tuple(prefixes))
         outside = [p for p in self.store.parts if not p.startswith("mid/")]
         held = [p for p in outside if mapper.target_names(self.store.tensor_names(p)) & self._ends.names]
-        tensors = self._loader.read([p for p in outside if p not in held], resident=True, tied=False)
+        mappings: list = []
+        tensors = self._loader.read([p for p in outside if p not in held], resident=True, tied=False, mappings=mappings)
         budget = place()
         streamed = self._ends.streamed
         for part in held:
@@ -211,7 +237,7 @@ class StreamingModel(WrapsModel):
                 tensors.update({k: self.store.load_tensor(k) for k in keys
                                 if k in self.store.manifest.tensors and not mapper.target_names([k]) & streamed})
             else:
-                tensors.update(self._loader.read([part], resident=True, tied=False))
+                tensors.update(self._loader.read([part], resident=True, tied=False, mappings=mappings))
         for alias, info in self.store.manifest.aliases.items():  # one tensor in memory for tied weights
             if info["target"] in tensors:
                 tensors[alias] = tensors[info["target"]]
@@ -225,8 +251,10 @@ class StreamingModel(WrapsModel):
                 f"the store at {self.store.root} lacks {sorted(missing)[:3]} outside the blocks; "
                 "re-convert the checkpoint with this transformers version."
             )
-        self._resident_slots.fill({n: t if isinstance(t, QuantizedTensor) else t.to(self.device)   # packed: on the CPU
-                                   for n, t in params.items() if n in self._resident_slots.names})
+        resident = {n: t if isinstance(t, QuantizedTensor) else t.to(self.device)   # packed: on the CPU
+                    for n, t in params.items() if n in self._resident_slots.names}
+        self._resident_slots.fill(resident)
+        release_unviewed(mappings, resident.values())   # pages cast to the compute dtype (or moved to a GPU)
         return budget
 
     @property

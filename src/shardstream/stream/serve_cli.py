@@ -15,7 +15,7 @@ from ..errors import InvalidOption
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, refuse_tp_cache
 from ..sizes import parse_size
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class
-from .cli import ComputeDtype, Converting, Device, HostMemory, Source, open_model
+from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
 
@@ -47,6 +47,7 @@ def serve_command(
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     compute_dtype: ComputeDtype = "auto",
+    experts: Experts = "with-block",
     store_path: StorePath = None,
     sequential: Sequential = False,
     compression: Compression = "none",
@@ -69,6 +70,7 @@ def serve_command(
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         if not timeout > 0:
             raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout}.")
+        refuse_experts_with_tp(experts)
         from .cli import memory_options
         from ..tp.serve import serve_tp
 
@@ -88,7 +90,7 @@ def serve_command(
     log_batch_bounds()
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
                               batch_size=max_batch_size, max_host_memory=max_host_memory,
-                              converting=converting, compute_dtype=compute_dtype) as model:
+                              converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)
