@@ -117,16 +117,20 @@ def test_embedding_reads_rows_by_offset(built, overrides):
     model.close()
 
 
-def test_tied_embedding_held_once(built):
-    """A resident tied embedding/head is one tensor in memory serving both ends."""
+@pytest.mark.parametrize("compute_dtype", ["auto", "float32"])
+def test_tied_embedding_held_once(built, compute_dtype):
+    """A resident tied embedding/head is one tensor in memory serving both ends, also when cast to a compute
+    dtype other than the store's (each end used to get its own float32 copy of the bf16 matrix)."""
     _, store = built("qwen2.5-0.5b")
-    model = StreamingModel(open_store(store), max_resident_memory="auto")
+    model = StreamingModel(open_store(store), max_resident_memory="auto", compute_dtype=compute_dtype)
     embedding = model.model.get_input_embeddings().weight
     head = model.model.get_output_embeddings().weight
     assert embedding.device.type == "cpu" and embedding.shape == (151936, 896)
-    assert embedding.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
-    assert embedding.data_ptr() == head.data_ptr()
+    assert embedding.dtype == (torch.float32 if compute_dtype == "float32" else model.model.dtype)
+    storages = (embedding.untyped_storage().data_ptr(), head.untyped_storage().data_ptr())   # ints: a failure
+    starts = (embedding.data_ptr(), head.data_ptr())                                          # prints no matrix
     model.close()
+    assert storages[0] == storages[1] and starts[0] == starts[1]
 
 
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-0.5b"])

@@ -96,7 +96,15 @@ class WeightMapper:
         for name, converter in pending.items():
             for target, value in converter.convert(name, model=self._model, config=self._model.config).items():
                 out[target] = value[0] if isinstance(value, list) else value
-        return {name: t if isinstance(t, QuantizedTensor) else t.to(self._expected[name].dtype)
+        cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # a tied tensor (one object, two names) cast once
+
+        def to_dtype(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            dtype = self._expected[name].dtype
+            if (id(tensor), dtype) not in cast:
+                cast[id(tensor), dtype] = tensor.to(dtype)
+            return cast[id(tensor), dtype]
+
+        return {name: t if isinstance(t, QuantizedTensor) else to_dtype(name, t)
                 for name, t in out.items() if name in self._expected}
 
     def nbytes(self, name: str) -> int:
