@@ -20,7 +20,7 @@ from shardstream.stream import quant_linear
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 WORKER = Path(__file__).with_name("quant_triton_worker.py")
 # (out_features, in_features, blocksize): odd or even columns; rows shorter than the kernel's step of 256
-# weights, one 16-value chunk longer than it, and two steps whole
+# weights (and straddling two blocks of scales), one 16-value chunk longer than it, and two steps whole
 SHAPES = [(67, 96, 64), (13, 272, 16), (40, 512, 128)]
 BIAS = [True, False, True]   # with SHAPES
 TOLERANCE = 1e-5   # float32 sums in another order
