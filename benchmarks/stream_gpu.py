@@ -16,8 +16,11 @@ Settings (`--modes`):
 - stream-reread: max_host_memory=0, every token reads the blocks again through the page cache (which holds
   them: host RAM is plenty here). stream-direct: the same with O_DIRECT, every token from the disk, as
   when the model is larger than host RAM (AirLLM's case).
-- stream-4bit, stream-4bit-direct: the same two on the 4-bit store: the codes cross the bus, the GPU
-  dequantizes them.
+- stream-4bit, stream-4bit-direct: the same two on the 4-bit store: the codes cross the bus and stay codes
+  on the GPU; a decode step multiplies them in with the Triton kernel (stream/quant_triton.py), a prefill
+  dequantizes them first. stream-4bit-dequant, stream-4bit-direct-dequant: the same with
+  SHARDSTREAM_TRITON=0, the GPU dequantizing every weight on every pass (three kernels a tensor). Where the
+  kernel is off (no triton), the 4-bit rows say so.
 - resident: every block kept on the GPU (max_resident_memory=None).
 - accelerate: transformers with the blocks on "cpu" (accelerate's CPU offload); accelerate-disk: on "disk"
   (its disk offload, an offload folder of .dat files).
@@ -58,15 +61,17 @@ MODES = {"stream": "shardstream, host tier (blocks page-locked in host RAM), cop
          "stream-readers": "shardstream, host tier, copies queued by the reader threads",
          "stream-reread": "shardstream, every block read again every token (page cache)",
          "stream-direct": "shardstream, every block read again every token from disk (O_DIRECT)",
-         "stream-4bit": "shardstream, 4-bit store, host tier, dequantized on the GPU",
-         "stream-4bit-direct": "shardstream, 4-bit store, read from disk every token (O_DIRECT)",
+         "stream-4bit": "shardstream, 4-bit store, host tier, multiplied from the codes (Triton)",
+         "stream-4bit-dequant": "shardstream, 4-bit store, host tier, dequantized on the GPU",
+         "stream-4bit-direct": "shardstream, 4-bit store, read from disk every token (O_DIRECT), Triton",
+         "stream-4bit-direct-dequant": "shardstream, 4-bit store, read from disk every token (O_DIRECT), dequantized",
          "resident": "shardstream, every block resident on the GPU",
          "accelerate": "accelerate CPU offload (blocks on \"cpu\")",
          "accelerate-disk": "accelerate disk offload (blocks on \"disk\")",
          "airllm": "AirLLM 4.0, device=\"cuda\"",
          "gpu": "transformers, whole model on the GPU",
          **{f"batch-{n}": f"shardstream batch engine (as serve), host tier, {n} concurrent requests" for n in (1, 8, 32)}}
-REREAD = ("stream-direct", "stream-4bit-direct")
+REREAD = ("stream-direct", "stream-4bit-direct", "stream-4bit-direct-dequant")
 
 
 def build(args) -> tuple[Path, Path, Path]:
@@ -151,6 +156,7 @@ def open_backend(mode: str, ckpt: Path, store: Path, store4: Path, dtype):
         if mode == "stream-readers":
             os.environ["SHARDSTREAM_COPY_AHEAD"] = "0"
         os.environ["SHARDSTREAM_DIRECT_IO"] = "on" if mode in REREAD else "off"
+        os.environ["SHARDSTREAM_TRITON"] = "0" if mode.endswith("-dequant") else "1"
         return AutoModel.from_pretrained(store4 if "4bit" in mode else store, device="cuda",
                                          max_resident_memory=None if mode == "resident" else 0,
                                          max_host_memory=0 if "reread" in mode or mode in REREAD else "auto",
@@ -226,6 +232,7 @@ def run_one(mode: str, args) -> dict:
     if mode.startswith("stream"):
         result["host_kept_mb"] = model._loader._kept_bytes / MB
         result["copy_ahead"] = type(model._streaming._source).__name__ == "CopyAhead"
+        result["packed"] = len(model._loader.packed_keys)   # weights multiplied from their codes (4-bit, Triton)
     return result
 
 
@@ -300,7 +307,9 @@ def main() -> None:
             kept = f"{result['host_kept_mb']:.0f} MB" if "host_kept_mb" in result else ""
             ratio = (f"{result['decode'] / single:.1f}x batch-1" if mode.startswith("batch") and single
                      else f"{result['decode'] / floor:.2f}")
-            rows.append([str(round_), MODES[mode], f"{result['decode']:.2f}", f"{floor:.1f} ({which})",
+            off = "4bit" in mode and not mode.endswith("-dequant") and not result.get("packed")
+            rows.append([str(round_), MODES[mode] + (" [kernel off here: dequantized]" if off else ""),
+                         f"{result['decode']:.2f}", f"{floor:.1f} ({which})",
                          ratio, f"{result['prefill']:.0f}", kept,
                          f"{result['gpu_peak_mib']} MiB", " ".join(map(str, result["tokens"]))])
     print(markdown_table(["round", "setting", "decode tok/s", "floor tok/s", "decode / floor", "prefill tok/s",

@@ -149,7 +149,7 @@ def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, co
         assert len(model._loader.packed_keys) == 7 * model.store.num_layers + 2   # and the head, the embedding
         tokens = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
     monkeypatch.undo()
-    monkeypatch.setattr(loader, "packable", lambda meta: False)
+    monkeypatch.setattr(loader, "packable", lambda meta, device: False)
     with AutoModel.from_pretrained(store, compute_dtype=compute, max_resident_memory=0) as model, torch.no_grad():
         assert not model._loader.packed_keys
         want = model(IDS).logits
@@ -174,7 +174,7 @@ def test_a_tied_4bit_embedding_and_head_are_one_packed_tensor(stores, monkeypatc
         assert 2 * embedding.weight.nbytes - model._loader.packing_saves(names, resident=True) == codes
         got = model(IDS).logits
         tokens = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    monkeypatch.setattr(loader, "packable", lambda meta: False)
+    monkeypatch.setattr(loader, "packable", lambda meta, device: False)
     with AutoModel.from_pretrained(store, compute_dtype=compute) as model, torch.no_grad():
         assert model.model.get_input_embeddings().packed is None
         want = model(IDS).logits

@@ -22,7 +22,7 @@ from shardstream.memory import gpu_free_bytes
 from shardstream.quant import QuantizedTensor
 from shardstream.shard import place_experts
 from shardstream.store import open_store
-from shardstream.stream import AutoModel, StreamingModel
+from shardstream.stream import AutoModel, StreamingModel, quant_linear
 from shardstream.serving.admission import room
 from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
 from shardstream.stream.prefetch import CopyAhead
@@ -122,6 +122,42 @@ def test_a_4bit_store_on_the_gpu_matches_its_dequantized_weights(tmp_path, host)
             assert sum(isinstance(t, QuantizedTensor) for t in kept) == quantized > 0
             streamed = sum(on_gpu._slots[k].nbytes for k in on_gpu.pieces)
             assert loader._kept_bytes < streamed / 4
+
+
+@pytest.mark.parametrize("host", [0, "auto"])
+def test_a_4bit_store_on_the_gpu_multiplies_decode_steps_from_its_codes_with_the_triton_kernel(tmp_path, monkeypatch, host):
+    """With triton, a streamed block's Linear weights cross the bus and stay on the GPU as codes and scales
+    (kept page-locked on the host as such), a decode step's rows are multiplied from them by the kernel
+    (stream/quant_triton.py) and a prefill's dequantized there; SHARDSTREAM_TRITON=0 is the runtime that
+    dequantizes every weight: the same logits, within rounding."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    _, store_path = _make(tmp_path, "llama", "4bit")
+    store = open_store(store_path)
+    prompt = _prompts()   # 2 x 9: a prefill of 18 rows, then decode steps of 2
+    steps = torch.randint(3, 128, (3, 2, 1), generator=torch.Generator().manual_seed(2)).cuda()
+    logits = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("SHARDSTREAM_TRITON", switch)
+        with StreamingModel(store, device="cuda", max_resident_memory=0, max_host_memory=host) as model:
+            q_proj = next(m for name, m in model.model.named_modules() if name.endswith("layers.0.self_attn.q_proj"))
+            seen = []
+            q_proj.register_forward_pre_hook(lambda module, args: seen.append(module.packed))
+            out = model(prompt, use_cache=True)
+            logits[switch] = [out.logits]
+            for token in steps:
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                logits[switch].append(out.logits)
+            packed = model._loader.packed_keys
+        if switch == "0":
+            assert not packed and seen == [None] * 4
+        else:
+            linears = {k for k, r in store.manifest.tensors.items() if r.quant and r.part.startswith("mid/") and "proj" in k}
+            assert packed == linears and len(linears) == 7 * store.num_layers
+            assert all(isinstance(t, QuantizedTensor) and t.data.is_cuda and t.absmax.is_cuda for t in seen)
+            assert quant_linear.uses_triton(2, torch.float32, torch.device("cuda"))   # a decode step: the kernel
+            assert not quant_linear.uses_triton(18, torch.float32, torch.device("cuda"))   # the prefill: dequantized
+    for plain, from_codes in zip(logits["0"], logits["1"]):
+        assert (plain - from_codes).abs().max().item() <= TOLERANCE
 
 
 def test_experts_read_on_demand_from_two_tiers_on_the_gpu(tmp_path):

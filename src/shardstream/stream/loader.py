@@ -62,7 +62,8 @@ class LoadedBlock:
         stream = torch.cuda.current_stream()
         stream.wait_event(self.ready)
         for tensor in self.params.values():
-            tensor.record_stream(stream)
+            for part in (tensor.data, tensor.absmax) if isinstance(tensor, quant.QuantizedTensor) else (tensor,):
+                part.record_stream(stream)
         self.host.clear()
 
 
@@ -116,7 +117,7 @@ class BlockLoader:
         self.held: frozenset = frozenset()   # keys of the held-through pieces (see pieces.held_through)
         self.decode_in_reader = True
         self.packed_keys: frozenset[str] = frozenset()   # checkpoint keys handed over packed (quant.QuantizedTensor)
-        # on a GPU every quantized block tensor is copied as its codes and dequantized there (to_device)
+        # on a GPU every quantized block tensor is copied as its codes, dequantized there unless packed (to_device)
         self._codes_to_device = frozenset(name for name, record in store.manifest.tensors.items()
                                           if record.quant and device.type == "cuda")
         self._resident_packed: frozenset[str] = frozenset()   # those kept packed in resident parts too
@@ -189,12 +190,12 @@ class BlockLoader:
             return all(key in self._kept for key in keys)
 
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
-        """Hand the quantized weights of these Linears and embeddings (parameter names) over packed, where the
-        kernel runs (quant_linear.packable) and on the CPU. A tied tensor is packed only when every parameter
-        it fills is one of them (a tied embedding and head: one packed tensor serves both). Call before
-        reading anything."""
-        if self.device.type != "cpu":
-            return
+        """Hand the quantized weights of these Linears and embeddings (parameter names) over packed, where a
+        kernel runs (quant_linear.packable). A tied tensor is packed only when every parameter it fills is one
+        of them (a tied embedding and head: one packed tensor serves both). On a CUDA GPU (the Triton kernel),
+        only the streamed blocks' weights: they cross the bus as codes and stay so on the GPU; resident blocks
+        and the parts outside the blocks are dequantized once, at load, as before. Call before reading anything."""
+        on_cpu = self.device.type == "cpu"
         tensors = self.store.manifest.tensors
         aliases: dict[str, list[str]] = {}
         for alias, info in self.store.manifest.aliases.items():
@@ -202,15 +203,17 @@ class BlockLoader:
         packed = {}
         saves: dict[str, tuple[int, bool]] = {}
         for part in self.store.manifest.parts:
+            if not (on_cpu or part.startswith("mid/")):
+                continue
             for key in self.store.tensor_names(part):
                 name = self.mapper.linear_weight(key, linear_weights)
-                if not (name and key in tensors and packable(tensors[key].quant)):
+                if not (name and key in tensors and packable(tensors[key].quant, self.device)):
                     continue
                 tied = [self.mapper.linear_weight(alias, linear_weights) for alias in aliases.get(key, [])]
                 if None in tied:
                     continue
                 meta = tensors[key].quant
-                resident = meta["method"] in PACKED_WHEN_RESIDENT
+                resident = on_cpu and meta["method"] in PACKED_WHEN_RESIDENT
                 packed[key] = resident
                 saves[name] = (self.mapper.nbytes(name) - tensors[key].length - meta["absmax"]["length"], resident)
                 saves.update({other: (self.mapper.nbytes(other), resident) for other in tied})   # the same tensor
@@ -333,22 +336,23 @@ class BlockLoader:
             raise
         finally:
             self._collect.mappings = self._collect.buffers = None
-        block = self.to_device(index, tensors)
+        block = self.to_device(index, tensors, self._resident_packed if resident else self.packed_keys)
         if resident:   # in memory for good: the file pages that conversion copied are not kept as well
             release_unviewed(mappings, block.params.values())
         block.mappings, block.buffers, block.pool = mappings, buffers, self._pool
         block.read_seconds = time.perf_counter() - started
         return block
 
-    def to_device(self, index: int, tensors: dict[str, torch.Tensor | quant.QuantizedTensor]) -> LoadedBlock:
+    def to_device(self, index: int, tensors: dict[str, torch.Tensor | quant.QuantizedTensor],
+                  packed: frozenset[str] = frozenset()) -> LoadedBlock:
         """Checkpoint tensors -> the block's parameters on the device. On CUDA the bytes are copied as read
-        (from page-locked memory, on the copy stream), then dequantized and converted there: a quantized
-        block crosses the bus as its codes."""
+        (from page-locked memory, on the copy stream), then dequantized (but the `packed` ones) and converted
+        there: a quantized block crosses the bus as its codes."""
         if self._copy_stream is None:
             return LoadedBlock(index, self.mapper.convert(tensors), 0.0)
         host = {name: _pinned(t) for name, t in tensors.items()}
         with torch.cuda.stream(self._copy_stream):
-            moved = {name: _copied(t, self.device) for name, t in host.items()}
+            moved = {name: _copied(t, self.device, name in packed) for name, t in host.items()}
             params = self.mapper.convert(moved)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
@@ -360,7 +364,7 @@ class BlockLoader:
         names = self._pieces[key]
         if key in self._kept:
             started = time.perf_counter()
-            item = self.to_device(index, self._kept[key])
+            item = self.to_device(index, self._kept[key], self.packed_keys)
             item.piece, item.read_seconds = piece, time.perf_counter() - started
             return item
         if names is None:
@@ -391,9 +395,9 @@ class BlockLoader:
 
             if self._pool.pin:
                 tensors = decode()
-                item = self.to_device(index, self._keep(key, tensors, buffers) if keep else tensors)
+                item = self.to_device(index, self._keep(key, tensors, buffers) if keep else tensors, self.packed_keys)
             elif self.decode_in_reader or not self._decoded.get(key):
-                item = self.to_device(index, decode())
+                item = self.to_device(index, decode(), self.packed_keys)
             else:
                 item = LoadedBlock(index, {}, 0.0, decode=lambda: self.mapper.convert(decode()))
         except BaseException:
@@ -491,11 +495,13 @@ def _pinned(tensor: torch.Tensor | quant.QuantizedTensor) -> torch.Tensor | quan
     return tensor if tensor.is_pinned() else tensor.pin_memory()
 
 
-def _copied(tensor: torch.Tensor | quant.QuantizedTensor, device: torch.device) -> torch.Tensor:
-    """A pinned host tensor copied to `device` (asynchronously, on the current stream); codes dequantized there."""
+def _copied(tensor: torch.Tensor | quant.QuantizedTensor, device: torch.device,
+            packed: bool = False) -> torch.Tensor | quant.QuantizedTensor:
+    """A pinned host tensor copied to `device` (asynchronously, on the current stream); codes dequantized there
+    unless `packed` (multiplied from the codes: quant_triton.py)."""
     if isinstance(tensor, quant.QuantizedTensor):
         data, absmax = (t.to(device, non_blocking=True) for t in (tensor.data, tensor.absmax))
-        return quant.dequantize(data, absmax, tensor.meta)
+        return quant.QuantizedTensor(data, absmax, tensor.meta) if packed else quant.dequantize(data, absmax, tensor.meta)
     return tensor.to(device, non_blocking=True)
 
 

@@ -26,6 +26,9 @@ reports: AVX-512F, else AVX2 with FMA (half as wide; on the same machine 0.36 ms
 for 32, but 41 ms for 1024, slower there than dequantizing and MKL's product). Without either,
 without a C++ compiler, or with `SHARDSTREAM_QUANT_KERNEL=0`, weights are dequantized as before and
 the INFO log says why.
+
+On a CUDA GPU, a streamed block's weights stay packed where the Triton kernel of quant_triton.py runs, and
+the few rows of a decode step are multiplied from the codes by it, with the same values (`uses_triton`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # every block in memory: 0.062 s a token dequantized, 0.069 packed); a streamed one, dequantized on every
 # pass otherwise, stays packed.
 PACKED_WHEN_RESIDENT = {"4bit"}
+# On a CUDA GPU, products of up to this many rows run the Triton kernel (quant_triton.py): a decode step, one row
+# a sequence of a batch or the k + 1 a speculative pass checks. Each of its programs decodes its codes for one
+# row, so its work grows with the rows while cuBLAS's product of a dequantized weight barely does: beyond them
+# (a prefill) the weight is dequantized, as before, and cuBLAS multiplies it. A guess from the kernel's shape,
+# not yet measured on a GPU (benchmarks/stream_gpu.py times both with SHARDSTREAM_TRITON=0 and without).
+TRITON_ROWS = 16
+TRITON_DTYPES = tuple(quant.DTYPES[name] for name in ROUND)   # x's dtypes the Triton kernel computes for
 # Compiler flags per torch CPU capability: the kernel is built for the widest vectors the CPU has.
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
@@ -67,10 +77,14 @@ ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf1
 def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, W, bias)` for the quantized weight W that `weight` holds (`packable(weight.meta)`), in x's
     dtype: a bfloat16 or float16 x is multiplied in float32 (the products and sums of a float32 model) and
-    the result rounded once, as the dtype's own product rounds its float32 sums."""
+    the result rounded once, as the dtype's own product rounds its float32 sums. On a GPU, by the Triton kernel
+    with the same values (`uses_triton`), else dequantized there and multiplied in x's dtype."""
     meta = weight.meta
     out_features, in_features = meta["shape"]
     if x.device.type != "cpu":
+        if uses_triton(x.numel() // in_features, x.dtype, x.device):
+            from . import quant_triton
+            return quant_triton.linear(x, weight, bias)
         dense = quant.dequantize(weight.data, weight.absmax, meta).view(out_features, in_features)
         return F.linear(x, dense.to(x.dtype), bias)
     flat = x.reshape(-1, in_features).float()
@@ -86,12 +100,34 @@ def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | 
     return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
-def packable(meta: dict | None) -> bool:
-    """Whether a stored tensor can stay packed for `linear`: a 4-bit or 8-bit matrix (of a float32, bfloat16 or
-    float16 tensor) whose rows are whole 16-value chunks, on a machine that runs the kernel."""
+def uses_triton(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `linear` multiplies `rows` rows of `dtype` on `device` with the Triton kernel (quant_triton.py): on a
+    CUDA GPU where it runs, for a few rows (`few_rows`); otherwise the weight is dequantized there, then F.linear."""
+    if device.type != "cuda" or not few_rows(rows, dtype):
+        return False
+    from . import quant_triton
+    return quant_triton.ready(device)
+
+
+def few_rows(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a product on a GPU is one the Triton kernel serves: 1 to TRITON_ROWS rows of a dtype it writes."""
+    return 0 < rows <= TRITON_ROWS and dtype in TRITON_DTYPES
+
+
+def packable(meta: dict | None, device: torch.device = torch.device("cpu")) -> bool:
+    """Whether a stored tensor can stay packed for `linear` on `device`: a 4-bit or 8-bit matrix (of a float32,
+    bfloat16 or float16 tensor) whose rows are whole 16-value chunks, where a kernel runs: this module's on the
+    CPU, quant_triton's on a CUDA GPU (`SHARDSTREAM_TRITON=0` switches that one off)."""
     if not meta or meta.get("method") not in BITS or meta.get("dtype") not in ROUND or len(meta.get("shape", ())) != 2:
         return False
-    return meta["shape"][1] % 16 == 0 and meta["blocksize"] % 16 == 0 and available()
+    if meta["shape"][1] % 16 or meta["blocksize"] % 16:
+        return False
+    if device.type == "cpu":
+        return available()
+    if device.type != "cuda":
+        return False
+    from . import quant_triton
+    return quant_triton.available(device)
 
 
 def available() -> bool:
