@@ -29,6 +29,10 @@ DEFAULT_BLOCKSIZE = {"4bit": 64, "8bit": 256}  # bitsandbytes' defaults
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CODES_PER_BYTE = {"4bit": 2, "8bit": 1}
+CODE_BITS = {"4bit": 4, "8bit": 8}
+# The products from codes (stream/quant_linear.cpp on the CPU, stream/quant_triton.py on a GPU) round each decoded
+# value to the stored tensor's dtype, as dequantization does; they take that dtype as this number.
+KERNEL_ROUNDING = {"float32": 0, "bfloat16": 1, "float16": 2}
 _CHUNK_ELEMENTS = 1 << 18  # per step: keeps temporaries small (cache-sized) on big tensors
 
 

@@ -53,9 +53,8 @@ SWITCH = "SHARDSTREAM_QUANT_KERNEL"
 # of rows: decoding a 4-bit code is a register lookup, an 8-bit one a gather (2 cores, a 2816 x 1024
 # weight: 8-bit, 8 rows 0.97 ms against 1.45; 4-bit, 16 rows 0.64 against 0.67, 64 rows 2.2 against 2.3).
 BUFFER_ROWS = {"4bit": 32, "8bit": 7}
-BITS = {"4bit": 4, "8bit": 8}
-# The kernel rounds each decoded value to the stored tensor's dtype, as dequantization does (quant_linear.cpp).
-ROUND = {"float32": 0, "bfloat16": 1, "float16": 2}
+BITS = quant.CODE_BITS
+ROUND = quant.KERNEL_ROUNDING
 _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # Methods whose products from the codes beat the dequantized matrix held in memory (the table above), so
 # that a resident block keeps them packed too. 8-bit's gathers take 0.56 ms against 0.23 for 1 row: a

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
-from .quant_linear import BITS, ROUND
+from ..quant import CODE_BITS as BITS, KERNEL_ROUNDING as ROUND
 
 try:
     import triton
