@@ -112,6 +112,11 @@ class QuantizedTensor:
     meta: dict  # {"method", "blocksize", "shape", "dtype"}
 
 
+def held_by(tensor: torch.Tensor | QuantizedTensor) -> tuple[torch.Tensor, ...]:
+    """The plain tensors holding `tensor`'s bytes: itself, or a quantized one's codes and scales."""
+    return (tensor.data, tensor.absmax) if isinstance(tensor, QuantizedTensor) else (tensor,)
+
+
 def should_quantize(name: str, tensor: torch.Tensor, method: str = "4bit", blocksize: int | None = None) -> bool:
     """Quantize matrices and larger; keep vectors (norms, biases), norm weights and tiny tensors exact.
 

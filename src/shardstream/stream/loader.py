@@ -62,7 +62,7 @@ class LoadedBlock:
         stream = torch.cuda.current_stream()
         stream.wait_event(self.ready)
         for tensor in self.params.values():
-            for part in (tensor.data, tensor.absmax) if isinstance(tensor, quant.QuantizedTensor) else (tensor,):
+            for part in quant.held_by(tensor):
                 part.record_stream(stream)
         self.host.clear()
 
@@ -506,9 +506,7 @@ def _copied(tensor: torch.Tensor | quant.QuantizedTensor, device: torch.device,
 
 
 def _nbytes(tensor: torch.Tensor | quant.QuantizedTensor) -> int:
-    if isinstance(tensor, quant.QuantizedTensor):
-        return tensor.data.nbytes + tensor.absmax.nbytes
-    return tensor.nbytes
+    return sum(part.nbytes for part in quant.held_by(tensor))
 
 
 def _layout(store: Store, names: list[str]) -> Layout:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..quant import QuantizedTensor
+from ..quant import QuantizedTensor, held_by
 from ..store import Store, problems
 from ..store.checksum import checksum_bytes, checksum_file
 from ..store.manifest import TensorRecord
@@ -101,7 +101,7 @@ def release_unviewed(mappings: list[mmap.mmap], tensors: Iterable[torch.Tensor |
     the kernel may reclaim them; a page touched again is read back. Returns the bytes released."""
     views = []
     for tensor in tensors:
-        for part in (tensor.data, tensor.absmax) if isinstance(tensor, QuantizedTensor) else (tensor,):
+        for part in held_by(tensor):
             if part.device.type == "cpu" and part.numel():
                 storage = part.untyped_storage()
                 views.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))

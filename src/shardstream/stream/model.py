@@ -206,8 +206,9 @@ class StreamingModel(WrapsModel):
             return
         piece = max((p for pieces in self.pieces.values() for p in pieces), key=lambda p: p.nbytes)
         need, where = piece.nbytes, os.path.commonprefix(sorted(piece.names)).rsplit(".", 1)[0]
-        if self.experts and self.experts.layer_bytes > need:
-            need, where = self.experts.layer_bytes, "the experts of one block, filled on demand"
+        experts = self.experts.layer_bytes if self.experts else 0
+        if experts > need:
+            need, where = experts, "the experts of one block, filled on demand"
         available, capped = available_memory()
         if need <= available:
             return
