@@ -631,6 +631,11 @@ def main() -> None:
     parser.add_argument("--prefill-modes", default="resident,stream",
                         help="prefill: streaming settings run under the cap, beside transformers in memory")
     args = parser.parse_args()
+    if args.prefill_tokens < 1:
+        parser.error("--prefill-tokens must be at least 1")
+    unknown = [m for m in args.prefill_modes.split(",") if m and m not in NAMES]
+    if unknown:
+        parser.error(f"--prefill-modes: unknown setting(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}")
     if args.shape:
         config = shape_config(args.shape, args.layers)
         hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
