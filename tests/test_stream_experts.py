@@ -117,3 +117,69 @@ def test_unplaced_store_is_refused_and_corrupt_expert_named(tmp_path):
         with StreamingModel(store, experts=experts, max_resident_memory=0) as model:
             with pytest.raises(StoreCorrupt, match=r"group_0/expert_\d\.safetensors fails its checksum"):
                 model(torch.tensor([[5, 6, 7]]))
+
+
+def _expert_bytes(reference) -> int:
+    experts = reference.model.layers[0].mlp.experts
+    return sum(p.nbytes for p in experts.parameters(recurse=False)) // experts.num_experts
+
+
+@pytest.fixture
+def held_at_once(monkeypatch) -> list[int]:
+    """Bytes of expert weights the experts module holds each time transformers' forward runs over it."""
+    from shardstream.stream import experts
+
+    held: list[int] = []
+    real = experts.OnDemandExperts._run
+
+    def observed(self, state, *args):
+        held.append(sum(p.nbytes for p in state.module.parameters(recurse=False) if p.device.type != "meta"))
+        return real(self, state, *args)
+
+    monkeypatch.setattr(experts.OnDemandExperts, "_run", observed)
+    return held
+
+
+@pytest.mark.parametrize("experts_at_once", [1, 3])
+@pytest.mark.parametrize("budget", [0, "auto"], ids=["streamed", "resident"])
+def test_experts_run_in_groups_that_fit_max_expert_memory(placed, held_at_once, budget, experts_at_once):
+    """A pass routing to more experts than fit runs them in groups, each read and dropped in turn: never more
+    than the budget in memory, every routed expert read once, the same tokens as transformers."""
+    reference, store = placed
+    one = _expert_bytes(reference)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with StreamingModel(store, experts="on_demand", max_resident_memory=budget,
+                        max_expert_memory=experts_at_once * one) as model:
+        routed, want = _routed(reference, ids)
+        got = model(ids).logits
+        assert (got - want.logits).abs().max().item() <= 1e-5
+        assert model.experts.loads == routed > LAYERS * experts_at_once   # more than one group in some block
+        assert max(held_at_once) <= experts_at_once * one
+        assert len(held_at_once) >= routed / experts_at_once
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, reference.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_routed_experts_that_fit_run_in_one_call_bit_for_bit(placed, held_at_once):
+    """Within the budget the experts module runs once over the experts routed to, with transformers' own
+    forward: the same bits as transformers. A resident block's experts serve the next pass unread."""
+    reference, store = placed
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with StreamingModel(store, experts="on_demand", max_resident_memory="auto") as model:
+        routed, want = _routed(reference, ids)
+        assert torch.equal(model(ids).logits, want.logits)
+        assert len(held_at_once) == LAYERS and model.experts.loads == routed
+        assert max(held_at_once) < EXPERTS * _expert_bytes(reference) or routed == LAYERS * EXPERTS
+        model(ids)
+        assert model.experts.loads == routed
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_expert_memory=1 << 20), "max_expert_memory applies only with experts='on_demand'"),
+    (dict(experts="on_demand", max_expert_memory=-1), "max_expert_memory must be 'auto', None"),
+    (dict(experts="on_demand", max_expert_memory="1GB"), "max_expert_memory must be 'auto', None"),
+])
+def test_max_expert_memory_is_checked(placed, kwargs, message):
+    _, store = placed
+    with pytest.raises(InvalidOption, match=message):
+        StreamingModel(store, **kwargs)

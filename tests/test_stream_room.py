@@ -135,3 +135,29 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path):
     assert refused.returncode == 1 and "run `shardstream shard" in refused.stderr, refused.stderr
     assert plain.returncode == 0 and routed.returncode == 0, routed.stderr
     assert routed.stdout == plain.stdout
+
+
+@needs_memcap
+def test_experts_on_demand_run_a_block_whose_experts_do_not_fit_the_cap(tmp_path):
+    """A Mixtral block of 400 MB of experts under a 600 MiB cap: read with its block it is refused in one
+    sentence; read on demand its experts run in groups that fit, with the tokens of the run without a cap."""
+    config = AutoConfig.for_model("mixtral", hidden_size=256, intermediate_size=16384, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                  num_experts_per_tok=2, vocab_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "ckpt")
+    char_tokenizer().save_pretrained(tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)   # 8 experts of 50 MB in one block
+    generate = [SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello world", "--max-new-tokens", "4",
+                "--no-progress"]
+    free = subprocess.run(generate, capture_output=True, text=True, timeout=300)
+    with_block = subprocess.run([str(MEMCAP), "600M", "--", *generate], capture_output=True, text=True, timeout=300)
+    subprocess.run([SHARDSTREAM, "shard", str(tmp_path / "store"), "--experts"], check=True, capture_output=True, timeout=300)
+    on_demand = subprocess.run([str(MEMCAP), "600M", "--", *generate, "--experts", "on-demand"],
+                               capture_output=True, text=True, timeout=300)
+
+    assert free.returncode == 0, free.stderr[-2000:]
+    assert with_block.returncode == 1 and "Traceback" not in with_block.stderr, with_block.stderr[-2000:]
+    assert re.search(r"needs \d+ MiB at once \(model\.layers\.0\.mlp\.experts", with_block.stderr), with_block.stderr[-2000:]
+    assert on_demand.returncode == 0, on_demand.stderr[-2000:]
+    assert on_demand.stdout == free.stdout

@@ -207,6 +207,16 @@ class Expert:
                                "run `shardstream verify --parts experts`.")
         return data
 
+    def drop_cached(self) -> None:
+        """Drop the file's pages from the page cache (a model larger than memory reads it again anyway, and
+        under a cap that counts the cache, cached pages are only reclaim to pay for); remote files have none."""
+        root = Path(self.index.tiers[self.record.tier]["root"])
+        if self.store.remote or not hasattr(os, "posix_fadvise"):
+            return
+        path = (root if root.is_absolute() else Path(self.store.root) / root) / self.record.file
+        with open(path, "rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
     def raw(self) -> bytearray:
         """The file's bytes, unchecked."""
         record = self.record

@@ -35,6 +35,7 @@ class AutoModel:
         dtype: torch.dtype | None = None,
         compute_dtype: str | torch.dtype = "auto",
         experts: str = "with_block",
+        max_expert_memory: int | str | None = "auto",
         token: str | None = None,
         revision: str | None = None,
         progress: bool = True,
@@ -54,6 +55,9 @@ class AutoModel:
         ~/.cache/shardstream/<slug>). The converter options apply only when a conversion runs.
         `experts="on_demand"` reads only the MoE experts the router picks, from their tiers (see
         docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
+        `max_expert_memory` (with experts="on_demand"): bytes of experts in memory at once ('auto': 3/4 of
+        the memory left once the model is placed; at least one expert); a pass routing to more runs them in
+        groups that fit.
         `piece_bytes`: the most bytes of a streamed block's big modules in memory at once (pieces.py;
         default 64 MiB; a batch engine's model passes 16 MiB, leaving memory to its KV caches).
         `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
@@ -99,4 +103,4 @@ class AutoModel:
             return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
         if tp_cache is not None:
             raise InvalidOption("tp_cache goes with tensor_parallel=True; leave it out.")
-        return StreamingModel(open_store(), device=device, experts=experts, **streaming)
+        return StreamingModel(open_store(), device=device, experts=experts, max_expert_memory=max_expert_memory, **streaming)

@@ -2,16 +2,22 @@
 
 A Mixtral-style block is mostly experts, and a token uses `top_k` of them. With
 `experts="on_demand"` the block's part is read without its experts (stored apart by
-`shardstream shard --experts`); a forward pre-hook on
-the fused experts module sees the router's `top_k_index`, reads each newly picked expert with
-`load_expert` (from whatever tier `place_experts`/`relocate` put it on, checksum-verified) and
-writes it into its row of the fused parameters. Rows of experts nobody picked stay zero and are
-never read by the module. What was loaded lives as long as the block's other weights.
+`shardstream shard --experts`). The fused experts module's forward is wrapped: it sees the router's
+`top_k_index`, reads each picked expert with `load_expert` (from whatever tier
+`place_experts`/`relocate` put it on, checksum-verified) into a stack of the picked experts only,
+and runs transformers' own forward over that stack, the picks renumbered. The memory an expert
+takes is spent only for the experts picked, and at most `budget` bytes of them at once: a pass that
+picks more (a long prompt picks them all) runs them in groups, each group read and dropped in turn,
+so a Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one of its experts
+(0.35 GB). Experts held after a pass serve the next one while their block stays in memory.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -45,20 +51,30 @@ class ExpertlessLoader(BlockLoader):
 
 
 class _Layer:
-    """One block's fused experts module, and which of its experts are in place right now."""
+    """One block's fused experts module, and the experts of it in memory now: `stack` holds the module's
+    parameters stacked over the experts `held` lists, in that order, and nothing else."""
 
     def __init__(self, module: nn.Module, prefix: str):
-        self.slots = Slots(module, prefix)
-        self.meta = {f"{prefix}.{name}": p for name, p in module.named_parameters(recurse=False)}
+        self.module = module
+        self.meta = dict(module.named_parameters(recurse=False))
+        self.names = {f"{prefix}.{name}": name for name in self.meta}
         self.count = next(iter(self.meta.values())).shape[0]
-        self.fused: dict[str, torch.Tensor] = {}
-        self.loaded: set[int] = set()
+        self.expert_bytes = sum(p.nbytes for p in self.meta.values()) // self.count
+        self.held: list[int] = []
+        self.stack: dict[str, torch.Tensor] = {}
+
+    def drop(self) -> None:
+        """Forget the experts held: the module's slots go back to meta, so nothing keeps their memory."""
+        self.module._parameters.update(self.meta)
+        self.held, self.stack = [], {}
 
 
 class OnDemandExperts:
-    """Fills each MoE block's fused expert parameters with only the experts routed to in this pass.
+    """Runs each MoE block's experts module on only the experts routed to in this pass, read on demand.
 
-    `loads` counts expert files read, so callers can see how much routing saved.
+    `budget` bounds the bytes of experts in memory at once (all blocks together): when a pass routes to
+    more than fit, they run in groups that do, one group read and dropped after another. `loads` counts
+    expert files read, so callers can see how much routing saved.
     """
 
     def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
@@ -68,6 +84,8 @@ class OnDemandExperts:
         self._mapper = mapper
         self._device = device
         self.loads = 0
+        self.budget = sys.maxsize
+        self.drop_pages = False   # set when the experts do not all fit in memory
         placed = load_index(store).experts
         by_layer: dict[int, set[str]] = {}
         for record in placed.values():
@@ -87,7 +105,6 @@ class OnDemandExperts:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
         self._layers: dict[int, _Layer] = {}
-        self.hooks: list[torch.utils.hooks.RemovableHandle] = []
         for layer, names in by_layer.items():
             modules = {target.rpartition(".")[0] for target in mapper.target_names(sorted(names))}
             if len(modules) != 1:
@@ -98,31 +115,115 @@ class OnDemandExperts:
             prefix = modules.pop()
             module = model.get_submodule(prefix)
             self._layers[layer] = _Layer(module, prefix)
-            self.hooks.append(module.register_forward_pre_hook(functools.partial(self._before, layer), with_kwargs=True))
+            module.forward = functools.partial(self._forward, layer, module.forward)
 
     @property
-    def layer_bytes(self) -> int:
-        """Bytes of the largest block's fused expert parameters, all filled when a pass routes to every expert."""
-        return max(sum(p.nbytes for p in state.meta.values()) for state in self._layers.values())
+    def count(self) -> int:
+        """Experts served, over all blocks."""
+        return sum(state.count for state in self._layers.values())
 
-    def _before(self, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of the largest single expert: the least a pass needs at once."""
+        return max(state.expert_bytes for state in self._layers.values())
+
+    def _forward(self, layer: int, forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The module's own forward over the experts held: once when the picked experts fit the budget
+        (beside those held from earlier passes, when they fit too), else in as many groups as it needs."""
         state = self._layers[layer]
-        top_k_index = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
-        if not state.fused:
-            state.fused = {name: torch.zeros(meta.shape, dtype=meta.dtype, device=self._device)
-                           for name, meta in state.meta.items()}
-        for expert in sorted(set(top_k_index.unique().tolist()) - state.loaded):
-            if expert >= state.count:  # transformers' "no expert" padding index
-                continue
-            converted = self._mapper.convert(load_expert(self.store, layer, expert).tensors)
-            self.loads += 1
-            for name, tensor in converted.items():
-                state.fused[name][expert].copy_(tensor[0])
-            state.loaded.add(expert)
-        state.slots.fill(state.fused)
+        routed = sorted(e for e in top_k_index.unique().tolist() if e < state.count)   # count: "no expert"
+        if not routed:
+            return torch.zeros_like(hidden_states)
+        if not set(routed) <= set(state.held):
+            union = sorted(set(routed) | set(state.held))
+            if (len(state.held) + len(union)) * state.expert_bytes <= self.budget:   # the old stack is copied
+                self._hold(layer, union)
+        if set(routed) <= set(state.held):
+            return self._run(state, forward, hidden_states, top_k_index, top_k_weights)
+        size = max(1, min(len(routed), self.budget // state.expert_bytes))
+        out = None
+        for start in range(0, len(routed), size):
+            self._hold(layer, routed[start:start + size])
+            part = self._run(state, forward, hidden_states, top_k_index, top_k_weights)
+            # a token's two experts in two groups come as x + 0 and 0 + y, added here instead of in one call
+            out = part if out is None else out + part
+        return out
+
+    def _hold(self, layer: int, experts: list[int]) -> None:
+        """Put `experts` of `layer` in a stack of their own: those held already are copied over, the others
+        read; other blocks' experts are dropped as far as the budget needs."""
+        state = self._layers[layer]
+        old, rows = state.stack, {expert: row for row, expert in enumerate(state.held)}
+        if not rows.keys() & set(experts):
+            state.drop()
+            old = {}
+        need = len(experts) * state.expert_bytes
+        for other in self._layers.values():
+            if sum(len(s.held) * s.expert_bytes for s in self._layers.values()) + need <= self.budget:
+                break
+            if other is not state:
+                other.drop()
+        missing = [e for e in experts if e not in rows or not old]
+        converted = self._read(layer, missing) if missing else iter(())
+        if len(experts) == 1 and missing:   # transformers' conversion already made it a stack of one
+            stack = {state.names[name]: tensor.to(self._device) for name, tensor in next(converted).items()}
+        else:
+            stack = {name: torch.empty((len(experts), *meta.shape[1:]), dtype=meta.dtype, device=self._device)
+                     for name, meta in state.meta.items()}
+            for row, expert in enumerate(experts):
+                if expert in rows and old:
+                    for name, tensor in old.items():
+                        stack[name][row].copy_(tensor[rows[expert]])
+                    continue
+                for name, tensor in next(converted).items():
+                    stack[state.names[name]][row].copy_(tensor[0])
+        state.drop()
+        state.held, state.stack = experts, stack
+        for name, tensor in stack.items():
+            state.module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+
+    def _read(self, layer: int, experts: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each expert's tensors in transformers' layout, in turn; the next expert's file is read and checked
+        on a thread while this one is converted and copied."""
+        with ThreadPoolExecutor(1, thread_name_prefix="experts") as reader:
+            ahead = reader.submit(self._load, layer, experts[0])
+            for i in range(len(experts)):
+                tensors = ahead.result()
+                if i + 1 < len(experts):
+                    ahead = reader.submit(self._load, layer, experts[i + 1])
+                self.loads += 1
+                yield self._mapper.convert(tensors)
+                del tensors
+
+    def _load(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's checkpoint tensors, read and checked (its file's pages then dropped when `drop_pages`)."""
+        placed = load_expert(self.store, layer, expert)
+        tensors = placed.tensors
+        if self.drop_pages:
+            placed.drop_cached()
+        return tensors
+
+    def _run(self, state: _Layer, forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' forward of the experts module with the experts held as the whole set: routes to
+        others become its "no expert" index with a zero weight."""
+        held = len(state.held)
+        rows = torch.full((state.count + 1,), held, dtype=top_k_index.dtype, device=top_k_index.device)
+        rows[torch.tensor(state.held, dtype=torch.long, device=rows.device)] = torch.arange(held, dtype=rows.dtype, device=rows.device)
+        index = rows[top_k_index]
+        outside = index == held
+        others = bool(outside.any())
+        weights = top_k_weights.masked_fill(outside, 0) if others else top_k_weights
+        module = state.module
+        module.num_experts, module._is_expert_parallel = held, others   # the latter masks the "no expert" rows
+        try:
+            return forward(hidden_states, index, weights)
+        finally:
+            module.num_experts, module._is_expert_parallel = state.count, False
 
     def release(self, layer: int) -> None:
         """The block was emptied: drop its experts too."""
         state = self._layers.get(layer)
         if state is not None:
-            state.fused, state.loaded = {}, set()
+            state.drop()

@@ -35,7 +35,7 @@ from .mapped import release_unviewed
 from .meta import WrapsModel, build_meta_model, common_module
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
-from .residency import choose_resident, resolve_budget, resolve_host_budget
+from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
 from .weights import Slots, WeightMapper
 
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
@@ -70,11 +70,16 @@ class StreamingModel(WrapsModel):
                  compute_dtype: str | torch.dtype | None = "auto",
                  experts: str = "with_block", piece_bytes: int | None = None,
                  max_host_memory: int | str | None = "auto", max_seq_len: int | None = None,
+                 max_expert_memory: int | str | None = "auto",
                  shape_model: Callable[[torch.nn.Module], None] | None = None):
         if prefetch_depth < 1:
             raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
         if experts not in EXPERT_MODES:
             raise InvalidOption(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}.")
+        if max_expert_memory != "auto":
+            if experts != "on_demand":
+                raise InvalidOption("max_expert_memory applies only with experts='on_demand'; leave it out.")
+            resolve_expert_budget(max_expert_memory, "cpu", 0)   # a bad value is refused before anything is read
         parse_compute_dtype(compute_dtype)
         _check_files(store)
         self.store = store
@@ -129,8 +134,13 @@ class StreamingModel(WrapsModel):
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
         self.pieces = {k: pieces[k] for k in streamed}
         self.stream_working_set = working_set(self.pieces, in_flight)
+        if self.experts:
+            # out of the memory left: the pieces in flight, and one expert being read (its file's bytes, converted)
+            self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
+            self.experts.budget = resolve_expert_budget(max_expert_memory, self.device,
+                                                        self.stream_working_set + 2 * self.experts.expert_bytes)
         self._check_room()
-        self._hooks = list(self.experts.hooks) if self.experts else []
+        self._hooks = []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
         piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
@@ -200,15 +210,15 @@ class StreamingModel(WrapsModel):
     def _check_room(self) -> None:
         """Refuse, before the first pass, a model whose largest streamed piece cannot fit in the memory left on
         the CPU (the kernel would kill the process mid-pass): one sentence saying what it needs and what to do.
-        A Mixtral-8x7B block's experts are one tensor each in transformers: 2.8 GB of bf16 at once, with its
-        block or (`experts='on_demand'`, when a pass routes to every expert) filled expert by expert."""
+        A Mixtral-8x7B block's experts are one tensor each in transformers: 2.8 GB of bf16 at once with its
+        block; `experts='on_demand'` needs one expert at a time (0.35 GB)."""
         if self.device.type != "cpu" or not self.pieces:
             return
         piece = max((p for pieces in self.pieces.values() for p in pieces), key=lambda p: p.nbytes)
         need, where = piece.nbytes, os.path.commonprefix(sorted(piece.names)).rsplit(".", 1)[0]
-        experts = self.experts.layer_bytes if self.experts else 0
+        experts = 2 * self.experts.expert_bytes if self.experts else 0   # its file's bytes read, and its place
         if experts > need:
-            need, where = experts, "the experts of one block, filled on demand"
+            need, where = experts, "one expert read on demand, and its file's bytes"
         available, capped = available_memory()
         if need <= available:
             return

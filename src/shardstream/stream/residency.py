@@ -54,6 +54,17 @@ def resolve_host_budget(max_host_memory: int | str | None, device: torch.device 
     return _bytes_option("max_host_memory", max_host_memory)
 
 
+def resolve_expert_budget(max_expert_memory: int | str | None, device: torch.device | str, streaming_bytes: int) -> int:
+    """Bytes of MoE experts read on demand (experts='on_demand', experts.py) held at once; None: no limit.
+    'auto' = AUTO_SHARE of the memory left once the resident parts are loaded, less `streaming_bytes` (the
+    streamed pieces in flight, an expert being read); on a GPU, of the GPU's free memory."""
+    if max_expert_memory != "auto":
+        return _bytes_option("max_expert_memory", max_expert_memory)
+    if str(device).startswith("cuda"):
+        return int(gpu_free_bytes(device) * AUTO_SHARE)
+    return max(0, int((available_memory()[0] - streaming_bytes) * AUTO_SHARE))
+
+
 def _bytes_option(name: str, value: int | str | None) -> int:
     """A memory option given as bytes >= 0, or None: no limit."""
     if value is None:
