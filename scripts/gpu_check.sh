@@ -1,11 +1,28 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with a CUDA GPU and no network (see CONTRIBUTING, "GPU checks"):
-# tests/test_stream_cuda.py, then benchmarks/stream_gpu.py on the reference model and on the
-# Llama-3.2-1B shape (4-bit settings with the Triton kernel and with SHARDSTREAM_TRITON=0). Wheels in .whl/ (the pinned transformers, airllm==4.0.0) are installed first into
-# a folder of their own. Every log and table goes to $OUT (default artifacts/gpu-check).
-#   bash scripts/gpu_check.sh [tests] [reference] [llama-3.2-1b]     (default: all three)
-# Narrower: TESTS_SELECT (pytest -k), REFERENCE_MODES and SHAPE_MODES (benchmarks/stream_gpu.py --modes),
-# TESTS_TIMEOUT, BENCH_TIMEOUT and CHILD_TIMEOUT (seconds a step, and one setting, may take).
+# tests/test_stream_cuda.py, then benchmarks/stream_gpu.py on the reference model, on the Llama-3.2-1B
+# shape (4-bit settings with the Triton kernel and with SHARDSTREAM_TRITON=0, bitsandbytes NF4 whole on
+# the GPU), and on that shape against AirLLM, plain and 4-bit. The wheels in .whl/ (the pinned
+# transformers and bitsandbytes, airllm==4.0.0: scripts/gpu_wheels.sh fetches them) are installed first
+# into a folder of their own. Every log and table goes to $OUT (default artifacts/gpu-check).
+#   bash scripts/gpu_check.sh [tests] [reference] [llama-3.2-1b] [peers]     (default: all four)
+# Time plan, 8 minutes in all (seconds; the times of builds and settings are estimates from the earlier GPU
+# runs; a step's settings run in the order below, and those that would start after its budget say "not run"
+# in a table printed all the same; `timeout` stops a step that hangs):
+#   wheels, machine info  ~15
+#   tests          100  TESTS_TIMEOUT     the CUDA tests
+#   reference       90  REFERENCE_BUDGET  build ~20, then ~10 a setting: host tier, 4-bit with the kernel and
+#                                         without, gpu, batch-1, batch-32, 4-bit from disk
+#   llama-3.2-1b   120  SHAPE_BUDGET      build ~40, then ~13 a setting, 16 tokens: 4-bit and bnb-nf4 (the
+#                                         4-bit compute floor), host tier and gpu, 4-bit without the kernel,
+#                                         accelerate
+#   peers          140  PEERS_BUDGET      each AirLLM setting opened once untimed (its split: ~20 each), then
+#                                         airllm-4bit beside stream-4bit-direct and airllm beside stream-direct;
+#                                         8 tokens, 4 for AirLLM (~2 s a pass, every layer read again)
+#   in all        ~465
+# `peers` alone builds the shape first: give it PEERS_BUDGET=180.
+# Narrower: TESTS_SELECT (pytest -k), REFERENCE_MODES, SHAPE_MODES and PEERS_MODES (benchmarks/stream_gpu.py
+# --modes), CHILD_TIMEOUT (seconds one setting may take), BENCH_TIMEOUT (every benchmark step's budget).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-artifacts/gpu-check}
@@ -17,22 +34,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || { echo "could not install the wheels in .whl/" >&2; exit 1; }
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD/src:$PWD/tests:$PYTHONPATH"
-steps=${*:-tests reference llama-3.2-1b}
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+steps=${*:-tests reference llama-3.2-1b peers}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  python3 -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton not installed: no 4-bit kernel"; } \
+  python3 -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton not installed: no 4-bit kernel"
+  python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null \
+    || echo "bitsandbytes not installed: no bnb-nf4 or airllm-4bit"; } \
   2>&1 | tee "$OUT/machine.txt"
+bench() {  # budget, log name, stream_gpu.py arguments
+  local budget=${BENCH_TIMEOUT:-$1} log=$2; shift 2
+  timeout $((budget + 30)) python3 benchmarks/stream_gpu.py --workdir "$WORK/bench" --timeout "${CHILD_TIMEOUT:-90}" \
+    --budget "$budget" "$@" 2>&1 | tee "$OUT/$log.md"
+}
 for step in $steps; do
   case $step in
-    tests) timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest tests/test_stream_cuda.py -q -x -p no:cacheprovider \
+    tests) timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest tests/test_stream_cuda.py -q -x -p no:cacheprovider \
              ${TESTS_SELECT:+-k "$TESTS_SELECT"} 2>&1 \
              | tail -40 | tee "$OUT/tests.txt" ;;
-    reference) timeout "${BENCH_TIMEOUT:-320}" python3 benchmarks/stream_gpu.py --workdir "$WORK/bench" --timeout "${CHILD_TIMEOUT:-90}" \
-                 ${REFERENCE_MODES:+--modes "$REFERENCE_MODES"} \
-                 2>&1 | tee "$OUT/reference.md" ;;
-    *) timeout "${BENCH_TIMEOUT:-320}" python3 benchmarks/stream_gpu.py --shape "$step" --workdir "$WORK/bench" \
-         --new-tokens 16 --timeout "${CHILD_TIMEOUT:-90}" --modes "${SHAPE_MODES:-stream,stream-direct,stream-4bit,stream-4bit-dequant,stream-4bit-direct,stream-4bit-direct-dequant,accelerate,airllm,gpu}" \
-         2>&1 | tee "$OUT/$step.md" ;;
+    reference) bench "${REFERENCE_BUDGET:-90}" reference \
+                 --modes "${REFERENCE_MODES:-stream,stream-4bit,stream-4bit-dequant,gpu,batch-1,batch-32,stream-4bit-direct}" ;;
+    peers) bench "${PEERS_BUDGET:-140}" peers --shape llama-3.2-1b --new-tokens 8 --airllm-tokens 4 \
+             --modes "${PEERS_MODES:-airllm-4bit,stream-4bit-direct,airllm,stream-direct}" ;;
+    *) bench "${SHAPE_BUDGET:-120}" "$step" --shape "$step" --new-tokens 16 \
+         --modes "${SHAPE_MODES:-stream-4bit,bnb-nf4,stream,gpu,stream-4bit-dequant,accelerate}" ;;
   esac
 done
