@@ -13,8 +13,10 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   of blocks per token / the best of several sequential readers, with and without O_DIRECT), then
   each `--modes` setting in its own process: prefill, then --new-tokens decode steps with the KV
   cache. Shardstream reading past the page cache (its choice under the cap: read and dropped on a CPU) and mapped (kept), on the
-  4-bit store of the same checkpoint (resident-4bit), accelerate disk offload, and AirLLM 4.0 when
-  `--airllm` names the python of its own venv. The cgroup's peak is each run's, loading included.
+  4-bit store of the same checkpoint (resident-4bit), an MoE model's experts read on demand from a store
+  with its experts placed apart (resident-experts; `--shape mixtral-8x7b --layers 2` under 2000M),
+  accelerate disk offload, and AirLLM 4.0 when `--airllm` names the python of its own venv. The cgroup's
+  peak is each run's, loading included.
 - serve: N concurrent greedy requests (`--batches`) to one capped `shardstream serve
   --max-batch-size`, aggregate completion tokens / wall time, after one untimed request.
 - offline: `shardstream generate --prompts-file` with N prompts and `--batch-size N`.
@@ -59,7 +61,8 @@ MEMCAP = next((p / "shared" / "tools" / "memcap" for p in ROOT.parents[:2] if (p
 MB = 1e6
 MiB = 1 << 20
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
-CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M"}   # the real shapes' scenarios
+CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M",   # the real shapes' scenarios
+        "mixtral-8x7b": "2000M"}
 
 
 def build(args) -> tuple[Path, Path]:
@@ -107,7 +110,9 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "on"
         if mode.endswith("-4bit"):
             store = quantized_store(ckpt, "4bit")
-        return AutoModel.from_pretrained(store, max_resident_memory=0 if mode.startswith("stream") else "auto",
+        experts = "on_demand" if mode.endswith("-experts") else "with_block"
+        return AutoModel.from_pretrained(placed_store(ckpt) if experts == "on_demand" else store, experts=experts,
+                                         max_resident_memory=0 if mode.startswith("stream") else "auto",
                                          profiling_mode=True)
     if mode == "memory":
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
@@ -157,6 +162,7 @@ def run_one(mode: str, args) -> dict:
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - started
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        loads_after_prefill = model.experts.loads if streaming and model.experts else 0
         started = time.perf_counter()
         for _ in range(args.new_tokens):
             out = model(token, past_key_values=cache, use_cache=True)
@@ -171,6 +177,11 @@ def run_one(mode: str, args) -> dict:
         result["load_peak_mib"], result["decode_peak_mib"] = loading >> 20, decoding >> 20
     status = Path("/proc/self/status").read_text()
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
+    if streaming and model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
+        experts = model.experts.count * model.experts.expert_bytes // args.layers
+        result["expert_loads"] = model.experts.loads
+        result["per_token_bytes"] = (sum(s.nbytes - experts for i, s in enumerate(model._slots) if i not in model.resident_blocks)
+                                     + (model.experts.loads - loads_after_prefill) * model.experts.expert_bytes // args.new_tokens)
     if streaming:
         result["resident"] = len(model.resident_blocks)
         result["reading"] = model._loader.reading
@@ -573,6 +584,17 @@ def convert_once(source: Path, store: Path) -> Path:
     return store
 
 
+def placed_store(ckpt: Path) -> Path:
+    """A store of the checkpoint with its MoE experts placed apart (`shard --experts`), for experts on demand."""
+    from shardstream.shard import place_experts
+    from shardstream.store import open_store
+
+    store = convert_once(ckpt, ckpt.parent / "store-experts")
+    if not (store / "sharding.json").exists():
+        place_experts(open_store(store), {"hot": "."})
+    return store
+
+
 def quantized_store(ckpt: Path, method: str) -> Path:
     from shardstream.convert import convert
 
@@ -590,6 +612,7 @@ NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
          "resident-direct": "(b'') shardstream defaults, blocks with O_DIRECT (SHARDSTREAM_DIRECT_IO=on)",
          "resident-4bit": "(f) shardstream defaults, the 4-bit store of the same checkpoint",
          "stream-mapped": "(a') pure streaming through the page cache (SHARDSTREAM_DIRECT_IO=off)",
+         "resident-experts": "(g) shardstream defaults, MoE experts read on demand (experts=\"on_demand\")",
          "accelerate": "(c) accelerate disk offload (offload folder)",
          "airllm": "(d) AirLLM 4.0 (PyPI, device=\"cpu\", its own venv)",
          "memory": "(e) transformers, fully in memory"}
@@ -703,6 +726,8 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
     modes = [m for m in args.modes.split(",") if m] + (["airllm"] if args.airllm else [])
     if any(m.endswith("-4bit") for m in modes):
         quantized_store(ckpt, "4bit")   # converted here, not under the cap
+    if any(m.endswith("-experts") for m in modes):
+        placed_store(ckpt)
     header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
               "read / wait / compute ms per token", "resident blocks", "block reads", "cgroup peak",
               "peak loading / decoding MiB", "load avg"]
@@ -712,20 +737,23 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
         floor = speed["speed"] / per_token if isinstance(speed, dict) else float("nan")
         print(f"round {round_} cold read: {speed}", file=sys.stderr, flush=True)
         for mode in modes:
-            cold = (ckpt.parent / "store-4bit" if mode.endswith("-4bit") else store if mode.split("-")[0] in ("stream", "resident")
+            cold = (ckpt.parent / "store-4bit" if mode.endswith("-4bit") else ckpt.parent / "store-experts"
+                    if mode.endswith("-experts") else store if mode.split("-")[0] in ("stream", "resident")
                     else ckpt.parent if mode == "airllm" else ckpt)
             result = child(args, "--run", mode, cap=cap, cold=cold, python=args.airllm if mode == "airllm" else None)
             print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
             if isinstance(result, str):
                 rows.append([str(round_), NAMES[mode], result] + [""] * (len(header) - 3))
                 continue
-            ratios[mode].append(result["decode"] / floor)
+            # experts on demand read only the routed experts: their floor is the bytes they read a token
+            own = speed["speed"] / result["per_token_bytes"] if "per_token_bytes" in result and isinstance(speed, dict) else floor
+            ratios[mode].append(result["decode"] / own)
             read = (f"{result['streamed_bytes'] / result['read_ms'] / 1e3:.0f} / {speed['speed'] / MB:.0f}"
-                    if result.get("read_ms") and isinstance(speed, dict) else "")
+                    if result.get("read_ms") and isinstance(speed, dict) and "per_token_bytes" not in result else "")
             times = (f"{result['read_ms']:.0f} / {result['wait_ms']:.0f} / {result['compute_ms']:.0f}"
                      if "read_ms" in result else "")
-            rows.append([str(round_), NAMES[mode], f"{result['decode']:.2f}", f"{floor:.2f}",
-                         f"{result['decode'] / floor:.2f}x", read, times, str(result.get("resident", "")),
+            rows.append([str(round_), NAMES[mode], f"{result['decode']:.2f}", f"{own:.2f}",
+                         f"{result['decode'] / own:.2f}x", read, times, str(result.get("resident", "")),
                          str(result.get("reading", "")), result.get("peak", ""),
                          f"{result['load_peak_mib']} / {result['decode_peak_mib']}" if "load_peak_mib" in result else "",
                          f"{os.getloadavg()[0]:.1f}"])
@@ -734,7 +762,8 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
                      "`pip install --no-deps airllm==4.0.0`)"] + [""] * (len(header) - 3))
     print(f"Single stream under memcap {cap} (cold), prompt {args.prompt} tokens, {args.new_tokens} greedy decode "
           "steps with the KV cache; the I/O floor is the best cold sequential read of the block files "
-          "(see `read_speed`) taken in the same round, one block read per token.\n")
+          "(see `read_speed`) taken in the same round, one block read per token (with experts on demand, the "
+          "blocks without their experts and the experts read per decode step).\n")
     print(markdown_table(header, rows))
     for mode, values in ratios.items():
         print(f"\n{NAMES[mode]}: decode / floor over {len(values)} round(s): {min(values):.2f}x-{max(values):.2f}x")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardstream.convert import convert
-from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete
 from shardstream.shard import load_index, place_experts
 from shardstream.store import open_store
 from shardstream.store.sharding import Expert
@@ -36,15 +36,16 @@ def placed(tmp_path_factory):
 
 @pytest.fixture
 def file_reads(monkeypatch) -> list[str]:
-    """Every expert file read, by wrapping the store's expert reader (the real read still happens)."""
+    """Every expert file read, by wrapping the store's expert readers (the real reads still happen)."""
     reads: list[str] = []
-    real = Expert.raw
+    for method in ("raw", "read_into"):
+        real = getattr(Expert, method)
 
-    def counting(self):
-        reads.append(self.record.file)
-        return real(self)
+        def counting(self, *args, real=real, **kwargs):
+            reads.append(self.record.file)
+            return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Expert, "raw", counting)
+        monkeypatch.setattr(Expert, method, counting)
     return reads
 
 
@@ -183,3 +184,13 @@ def test_max_expert_memory_is_checked(placed, kwargs, message):
     _, store = placed
     with pytest.raises(InvalidOption, match=message):
         StreamingModel(store, **kwargs)
+
+
+def test_missing_expert_file_is_named(tmp_path):
+    _, store = _store(tmp_path)
+    for expert in range(EXPERTS):
+        record = load_index(store).experts[f"0:{expert}"]
+        ((tmp_path / "cold") if record.tier == "cold" else store.root).joinpath(record.file).unlink()
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
+        with pytest.raises(StoreIncomplete, match=r"group_0/expert_\d\.safetensors is missing; run `shardstream verify`"):
+            model(torch.tensor([[5, 6, 7]]))

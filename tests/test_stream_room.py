@@ -132,9 +132,19 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path):
     routed = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello", "--max-new-tokens",
                              "4", "--no-progress", "--experts", "on-demand"], capture_output=True, text=True, timeout=240)
 
+    (tmp_path / "prompts.txt").write_text("hello\nthe cat sat\nhello\n")
+    batches = {}
+    for experts in ("with-block", "on-demand"):   # a batch: experts held between passes are budgeted as residency
+        batches[experts] = tmp_path / f"{experts}.jsonl"
+        run = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompts-file", str(tmp_path / "prompts.txt"),
+                              "--output", str(batches[experts]), "--batch-size", "3", "--max-new-tokens", "4",
+                              "--no-progress", "--experts", experts], capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-2000:]
+
     assert refused.returncode == 1 and "run `shardstream shard" in refused.stderr, refused.stderr
     assert plain.returncode == 0 and routed.returncode == 0, routed.stderr
     assert routed.stdout == plain.stdout
+    assert batches["on-demand"].read_text() == batches["with-block"].read_text()
 
 
 @needs_memcap

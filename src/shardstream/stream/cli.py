@@ -64,7 +64,8 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                compute_dtype: str = "auto", experts: str = "with-block") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
-    sequence, `auto` residency and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
+    sequence, `auto` residency, experts held on demand and the pieces leave memory to the KV caches
+    (residency.py, pieces.py)."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
@@ -72,6 +73,8 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     if experts not in EXPERT_OPTIONS:
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
     budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
+    # experts held between passes are bytes the KV caches of a batch do not get, as resident blocks are
+    held_experts = batch_resident_budget("auto", batch_size, device)
     from .auto import AutoModel
 
     converting = converting or Converting()
@@ -83,7 +86,9 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          max_resident_memory=budget, profiling_mode=profile, progress=progress,
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
                                          max_host_memory=host, compute_dtype=compute_dtype,
-                                         experts=EXPERT_OPTIONS[experts])
+                                         experts=EXPERT_OPTIONS[experts],
+                                         max_expert_memory="auto" if held_experts == "auto" or experts == "with-block"
+                                         else int(held_experts))
 
 
 def refuse_experts_with_tp(experts: str) -> None:

@@ -15,6 +15,7 @@ so a Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one of
 from __future__ import annotations
 
 import functools
+import mmap
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from ..errors import InvalidOption, UnsupportedModel
 from ..naming import Part
 from ..store import Store
 from ..store.sharding import load_expert, load_index
+from .direct import BufferPool
 from .loader import BlockLoader
 from .weights import Slots, WeightMapper
 
@@ -84,9 +86,12 @@ class OnDemandExperts:
         self._mapper = mapper
         self._device = device
         self.loads = 0
-        self.budget = sys.maxsize
+        self.budget = sys.maxsize   # bytes of experts held at once (fit)
+        self.read_ahead = True   # the next expert's file read while one is converted (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
-        placed = load_index(store).experts
+        self._buffers = BufferPool()   # expert files are read into these: one being converted, one read ahead
+        index = load_index(store)
+        placed = index.experts
         by_layer: dict[int, set[str]] = {}
         for record in placed.values():
             by_layer.setdefault(record.group, set()).update(record.tensors)
@@ -104,6 +109,7 @@ class OnDemandExperts:
         if not by_layer:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
+        self._file_bytes = max(index.files[r.file].size for r in placed.values() if r.group in by_layer)
         self._layers: dict[int, _Layer] = {}
         for layer, names in by_layer.items():
             modules = {target.rpartition(".")[0] for target in mapper.target_names(sorted(names))}
@@ -121,6 +127,22 @@ class OnDemandExperts:
     def count(self) -> int:
         """Experts served, over all blocks."""
         return sum(state.count for state in self._layers.values())
+
+    def reading_bytes(self, ahead: bool) -> int:
+        """Memory the reading takes beside the experts held: the file being converted (and the next one, read
+        `ahead`), and what transformers' conversion allocates (a Mixtral expert's w1 and w3 stacked, then
+        joined: up to twice the expert)."""
+        return (2 if ahead else 1) * self._file_bytes + 2 * self.expert_bytes
+
+    def fit(self, memory: int, auto: bool) -> None:
+        """Size the budget of experts held: `memory` bytes of them (not `auto`), reading ahead; or, `auto`,
+        out of `memory` left for the experts and their reading, reading ahead only where that leaves room
+        for one expert."""
+        if not auto:
+            self.budget, self.read_ahead = memory, True
+            return
+        self.read_ahead = memory >= self.reading_bytes(ahead=True) + self.expert_bytes
+        self.budget = max(0, memory - self.reading_bytes(self.read_ahead))
 
     @property
     def expert_bytes(self) -> int:
@@ -142,17 +164,20 @@ class OnDemandExperts:
         if set(routed) <= set(state.held):
             return self._run(state, forward, hidden_states, top_k_index, top_k_weights)
         size = max(1, min(len(routed), self.budget // state.expert_bytes))
-        out = None
+        state.drop()
+        reads = self._read(layer, routed)   # one reader over the groups: the next group's first file is read
+        out = None                          # while this group computes
         for start in range(0, len(routed), size):
-            self._hold(layer, routed[start:start + size])
+            self._hold(layer, routed[start:start + size], reads)
             part = self._run(state, forward, hidden_states, top_k_index, top_k_weights)
             # a token's two experts in two groups come as x + 0 and 0 + y, added here instead of in one call
             out = part if out is None else out + part
         return out
 
-    def _hold(self, layer: int, experts: list[int]) -> None:
+    def _hold(self, layer: int, experts: list[int], reads: Iterator[dict[str, torch.Tensor]] | None = None) -> None:
         """Put `experts` of `layer` in a stack of their own: those held already are copied over, the others
-        read; other blocks' experts are dropped as far as the budget needs."""
+        read (or taken from `reads`, which yields them in order); other blocks' experts are dropped as far
+        as the budget needs."""
         state = self._layers[layer]
         old, rows = state.stack, {expert: row for row, expert in enumerate(state.held)}
         if not rows.keys() & set(experts):
@@ -165,7 +190,7 @@ class OnDemandExperts:
             if other is not state:
                 other.drop()
         missing = [e for e in experts if e not in rows or not old]
-        converted = self._read(layer, missing) if missing else iter(())
+        converted = reads if reads is not None else self._read(layer, missing) if missing else iter(())
         if len(experts) == 1 and missing:   # transformers' conversion already made it a stack of one
             stack = {state.names[name]: tensor.to(self._device) for name, tensor in next(converted).items()}
         else:
@@ -184,25 +209,41 @@ class OnDemandExperts:
             state.module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
     def _read(self, layer: int, experts: list[int]) -> Iterator[dict[str, torch.Tensor]]:
-        """Each expert's tensors in transformers' layout, in turn; the next expert's file is read and checked
-        on a thread while this one is converted and copied."""
+        """Each expert's tensors in transformers' layout, in turn; with `read_ahead` the next expert's file is
+        read and checked on a thread while this one is converted, copied and (the last of a group) run."""
         with ThreadPoolExecutor(1, thread_name_prefix="experts") as reader:
             ahead = reader.submit(self._load, layer, experts[0])
             for i in range(len(experts)):
-                tensors = ahead.result()
-                if i + 1 < len(experts):
+                tensors, buffer = ahead.result()
+                if self.read_ahead and i + 1 < len(experts):
                     ahead = reader.submit(self._load, layer, experts[i + 1])
                 self.loads += 1
-                yield self._mapper.convert(tensors)
-                del tensors
+                try:
+                    converted = self._mapper.convert(tensors)
+                    if buffer is not None:   # the buffer is read into again: nothing may still view it
+                        start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+                        converted = {name: t.clone() if start <= t.data_ptr() < start + len(buffer) else t
+                                     for name, t in converted.items()}
+                finally:
+                    del tensors
+                    if buffer is not None:
+                        self._buffers.give([buffer])
+                yield converted
+                if not self.read_ahead and i + 1 < len(experts):
+                    ahead = reader.submit(self._load, layer, experts[i + 1])
 
-    def _load(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """One expert's checkpoint tensors, read and checked (its file's pages then dropped when `drop_pages`)."""
+    def _load(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], mmap.mmap | None]:
+        """One expert's checkpoint tensors, read and checked: into a reused buffer (then given back by the
+        caller) from a local file, its pages dropped from the page cache when `drop_pages`."""
         placed = load_expert(self.store, layer, expert)
-        tensors = placed.tensors
-        if self.drop_pages:
-            placed.drop_cached()
-        return tensors
+        if placed.path is None:
+            return placed.tensors, None
+        buffer = self._buffers.take(self._file_bytes)
+        try:
+            return placed.read_into(buffer, drop=self.drop_pages), buffer
+        except BaseException:
+            self._buffers.give([buffer])
+            raise
 
     def _run(self, state: _Layer, forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -135,10 +135,9 @@ class StreamingModel(WrapsModel):
         self.pieces = {k: pieces[k] for k in streamed}
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
-            # out of the memory left: the pieces in flight, and one expert being read (its file's bytes, converted)
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
-            self.experts.budget = resolve_expert_budget(max_expert_memory, self.device,
-                                                        self.stream_working_set + 2 * self.experts.expert_bytes)
+            self.experts.fit(resolve_expert_budget(max_expert_memory, self.device, self.stream_working_set),
+                             auto=max_expert_memory == "auto")
         self._check_room()
         self._hooks = []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
@@ -216,9 +215,9 @@ class StreamingModel(WrapsModel):
             return
         piece = max((p for pieces in self.pieces.values() for p in pieces), key=lambda p: p.nbytes)
         need, where = piece.nbytes, os.path.commonprefix(sorted(piece.names)).rsplit(".", 1)[0]
-        experts = 2 * self.experts.expert_bytes if self.experts else 0   # its file's bytes read, and its place
+        experts = self.experts.reading_bytes(ahead=False) if self.experts else 0
         if experts > need:
-            need, where = experts, "one expert read on demand, and its file's bytes"
+            need, where = experts, "one expert read on demand: its file's bytes and their conversion"
         available, capped = available_memory()
         if need <= available:
             return

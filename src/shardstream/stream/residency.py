@@ -55,9 +55,10 @@ def resolve_host_budget(max_host_memory: int | str | None, device: torch.device 
 
 
 def resolve_expert_budget(max_expert_memory: int | str | None, device: torch.device | str, streaming_bytes: int) -> int:
-    """Bytes of MoE experts read on demand (experts='on_demand', experts.py) held at once; None: no limit.
-    'auto' = AUTO_SHARE of the memory left once the resident parts are loaded, less `streaming_bytes` (the
-    streamed pieces in flight, an expert being read); on a GPU, of the GPU's free memory."""
+    """Bytes for MoE experts read on demand (experts='on_demand', experts.py): `max_expert_memory` itself,
+    None for no limit; 'auto': AUTO_SHARE of the memory left once the resident parts are loaded, less
+    `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on a
+    GPU, of the GPU's free memory."""
     if max_expert_memory != "auto":
         return _bytes_option("max_expert_memory", max_expert_memory)
     if str(device).startswith("cuda"):
