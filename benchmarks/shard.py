@@ -199,22 +199,23 @@ def bench_verify(store) -> str:
 # -- 3. MoE decoding --------------------------------------------------------------------------------
 
 class Counter:
-    """Expert bytes read: every expert file read (`Expert.raw`), by either mode (experts are stored apart)."""
+    """Expert bytes read: every expert file read (`Expert.raw` with its block, `Expert.read_into` on demand),
+    by either mode (experts are stored apart)."""
 
     def __init__(self, store):
         index = load_index(store)
         self.expert_total = sum(index.files[r.file].size for r in index.experts.values())
         self.bytes = 0
         self.files = 0
-        real_raw = Expert.raw
+        for method in ("raw", "read_into"):
+            real = getattr(Expert, method)
 
-        def counting_raw(expert):
-            data = real_raw(expert)
-            self.bytes += len(data)
-            self.files += 1
-            return data
+            def counting(expert, *args, real=real, **kwargs):
+                self.bytes += expert.index.files[expert.record.file].size
+                self.files += 1
+                return real(expert, *args, **kwargs)
 
-        Expert.raw = counting_raw
+            setattr(Expert, method, counting)
 
 
 def greedy(model, ids: torch.Tensor, steps: int, counter: Counter | None) -> tuple[torch.Tensor, float, int]:
