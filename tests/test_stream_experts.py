@@ -194,3 +194,35 @@ def test_missing_expert_file_is_named(tmp_path):
     with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
         with pytest.raises(StoreIncomplete, match=r"group_0/expert_\d\.safetensors is missing; run `shardstream verify`"):
             model(torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen3_moe", dict(head_dim=8, norm_topk_prob=True)),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=32)),
+])
+def test_top_4_families_in_groups_match_transformers(tmp_path, model_type, extra):
+    """Qwen3-MoE and Qwen2-MoE (a shared expert beside the routed ones) pick 4 of 8: in one call the same
+    bits as transformers; in groups of one or three experts, a token's four outputs are added in another
+    order (within float rounding) and the greedy tokens stay transformers'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_experts=8, num_experts_per_tok=4, decoder_sparse_step=1, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.save_pretrained(tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+    store = open_store(tmp_path / "store")
+    place_experts(store, {"hot": "."})
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(ids).logits
+    tokens = reference.generate(ids, max_new_tokens=6, do_sample=False)
+    one = 3 * 32 * 16 * 4   # an expert's gate, up and down in float32
+    for budget in ("auto", one, 3 * one):
+        with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=budget) as model:
+            got = model(ids).logits
+            assert torch.equal(got, want) if budget == "auto" else (got - want).abs().max().item() <= 1e-6
+            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
