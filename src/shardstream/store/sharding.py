@@ -195,7 +195,10 @@ class Expert:
 
     def read(self, verify: bool) -> dict[str, torch.Tensor]:
         """The expert's tensors (dequantized) from a fresh read; checked against the index when `verify`."""
-        data = self.contents(verify)
+        return self._decode(self.contents(verify))
+
+    def _decode(self, data) -> dict[str, torch.Tensor]:
+        """The expert's tensors from its file's bytes: views of them where stored plainly, else dequantized."""
         return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r))
                 for n, r in self.record.tensors.items()}
 
@@ -216,10 +219,7 @@ class Expert:
     @property
     def path(self) -> Path | None:
         """The file on this machine (its tier's root may be outside the store); None in a remote store."""
-        if self.store.remote:
-            return None
-        root = Path(self.index.tiers[self.record.tier]["root"])
-        return (root if root.is_absolute() else Path(self.store.root) / root) / self.record.file
+        return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
     def read_into(self, buffer, drop: bool = False) -> dict[str, torch.Tensor]:
         """The expert's tensors, viewing `buffer` (a writable buffer of at least the file's size: reused, it
@@ -242,8 +242,7 @@ class Expert:
         except FileNotFoundError:
             raise _missing(self.path) from None
         checked(view[:done], expected, self.where())
-        return {n: decode_tensor(view, 0, TensorRecord(part="", file=self.record.file, **r))
-                for n, r in self.record.tensors.items()}
+        return self._decode(view)
 
     def raw(self) -> bytearray:
         """The file's bytes, unchecked."""

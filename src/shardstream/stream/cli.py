@@ -74,7 +74,8 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
     budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
     # experts held between passes are bytes the KV caches of a batch do not get, as resident blocks are
-    held_experts = batch_resident_budget("auto", batch_size, device)
+    held_experts = ("auto" if experts == "with-block" or batch_size == 1
+                    else int(batch_resident_budget("auto", batch_size, device)))
     from .auto import AutoModel
 
     converting = converting or Converting()
@@ -87,8 +88,7 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
                                          max_host_memory=host, compute_dtype=compute_dtype,
                                          experts=EXPERT_OPTIONS[experts],
-                                         max_expert_memory="auto" if held_experts == "auto" or experts == "with-block"
-                                         else int(held_experts))
+                                         max_expert_memory=held_experts)
 
 
 def refuse_experts_with_tp(experts: str) -> None:

@@ -139,9 +139,8 @@ class StreamingModel(WrapsModel):
             self.experts.fit(resolve_expert_budget(max_expert_memory, self.device, self.stream_working_set),
                              auto=max_expert_memory == "auto")
         self._check_room()
-        self._hooks = []
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
-        self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
+        self._hooks = [self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True)]
         piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
                                          prefetch_depth if prefetching else None, self._released, self._settle,
