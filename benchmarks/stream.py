@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import mmap
 import os
 import platform
 import re
@@ -101,13 +100,16 @@ def work_dir(args) -> Path:
 def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
     from transformers import AutoModelForCausalLM
 
-    if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache kept; "-direct": O_DIRECT
+    if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache kept; "-direct": O_DIRECT;
+        # "-dropped": ordinary reads dropped from the page cache
         from shardstream.stream import AutoModel
 
         if mode.endswith("-mapped"):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "off"
         if mode.endswith("-direct"):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "on"
+        if mode.endswith("-dropped"):
+            os.environ["SHARDSTREAM_DIRECT_IO"] = "dropped"
         if mode.endswith("-4bit"):
             store = quantized_store(ckpt, "4bit")
         experts = "on_demand" if mode.endswith("-experts") else "with_block"
@@ -249,12 +251,14 @@ def long_prompt(args, store: Path, cap: str) -> None:
 def read_files(paths: list[Path], threads: int, chunk: int, direct: bool = False) -> float:
     """Bytes/s reading these files with `threads` readers, each with `chunk`-byte readinto calls
     (O_DIRECT when `direct`: no page cache, so no reclaim under the cap)."""
+    from shardstream.stream.direct import read_buffer
+
     pending = list(paths)
     lock = threading.Lock()
     total = [0]
 
     def reader() -> None:
-        view = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+        view = read_buffer(chunk)  # page-aligned, as O_DIRECT needs; huge pages, as the runtime's buffers
         while True:
             with lock:
                 if not pending:
@@ -610,6 +614,7 @@ NAMES = {"stream": "(a) shardstream, pure streaming (max_resident_memory=0)",
          "resident": "(b) shardstream defaults (resident budget auto)",
          "resident-mapped": "(b') shardstream defaults, blocks through the page cache (SHARDSTREAM_DIRECT_IO=off)",
          "resident-direct": "(b'') shardstream defaults, blocks with O_DIRECT (SHARDSTREAM_DIRECT_IO=on)",
+         "resident-dropped": "(b''') shardstream defaults, blocks read and dropped (SHARDSTREAM_DIRECT_IO=dropped)",
          "resident-4bit": "(f) shardstream defaults, the 4-bit store of the same checkpoint",
          "stream-mapped": "(a') pure streaming through the page cache (SHARDSTREAM_DIRECT_IO=off)",
          "resident-experts": "(g) shardstream defaults, MoE experts read on demand (experts=\"on_demand\")",

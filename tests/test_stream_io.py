@@ -17,7 +17,8 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.store import open_store
 from shardstream.stream import AutoModel
-from shardstream.stream.direct import ENV, block_reading
+from shardstream.stream import direct
+from shardstream.stream.direct import ENV, block_reading, read_buffer
 from tiny_models import save_checkpoint
 
 IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
@@ -137,9 +138,31 @@ def test_auto_keeps_the_page_cache_when_the_blocks_fit(tmp_path, monkeypatch):
     store = open_store(build(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
     assert block_reading(store) == "mapped"  # a tiny model: a warm page cache beats reading it again
-    # blocks larger than the memory: read and dropped on a CPU, O_DIRECT where copies cost more
+    # blocks larger than the memory: O_DIRECT into huge pages, else read and dropped on a CPU, O_DIRECT
+    # where copies cost more
+    monkeypatch.setattr(direct, "huge_pages", lambda: True)
+    assert block_reading(store, memory=0) == "direct"
+    monkeypatch.setattr(direct, "huge_pages", lambda: False)
     assert block_reading(store, memory=0) == "dropped" and block_reading(store, memory=0, copy_free=True) == "direct"
     assert [block_reading(store, mode, memory=0) for mode in ("on", "off", "dropped")] == ["direct", "mapped", "dropped"]
+
+
+@pytest.mark.skipif(not direct.huge_pages(), reason="the kernel gives no transparent huge pages here")
+def test_read_buffers_get_huge_pages():
+    """O_DIRECT requests into 4 KiB pages are cut at the queue's max_segments pages (1 MiB on a virtio
+    disk); the read buffers are private mappings that ask for huge pages (shared ones never get them)."""
+    buffer = read_buffer(8 << 20)
+    buffer.write(bytes(len(buffer)))   # fault every page in
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    huge_kib, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split()[0]:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                huge_kib = int(line.split()[1])
+    assert huge_kib >= 2048, "the read buffer got no huge page"
 
 
 def test_unknown_mode_is_refused_with_the_variable_named(tmp_path, monkeypatch):

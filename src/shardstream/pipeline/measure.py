@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from ..memory import available_bytes
+from ..stream.direct import read_buffer
 
 
 def capabilities(max_memory: int | None = None) -> dict:
@@ -96,7 +97,7 @@ def disk_read_bytes_per_s(folder: Path, size: int = DISK_PROBE_BYTES) -> float:
 
 def cold_read_seconds(path: str | Path) -> float:
     """Seconds to read the file at `path` from the disk, not the page cache."""
-    buffer = mmap.mmap(-1, _DISK_CHUNK)   # page-aligned, as O_DIRECT wants
+    buffer = read_buffer(_DISK_CHUNK)   # the runtime's kind of buffer: page-aligned, huge pages
     buffer.write(bytes(_DISK_CHUNK))   # fault its pages in now: under a memory cap that can mean reclaim,
     try:                               # which the runtime's reused buffers do not pay for every block
         for flags in (os.O_RDONLY | getattr(os, "O_DIRECT", 0), os.O_RDONLY):
