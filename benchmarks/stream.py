@@ -308,10 +308,13 @@ def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, p
                "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
     if cap:
         command = [str(MEMCAP), cap, *(["--cold", str(cold)] if cold else []), "--", *command]
-    try:
-        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"timeout ({timeout} s)"
+    for _ in range(3):   # memcap names its cgroup after its pid: one left by a memcap killed earlier is in the way
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timeout ({timeout} s)"
+        if not re.search(r"cannot create directory \S*memcap-\d+\W+ File exists", run.stderr):
+            break
     peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", run.stderr)
     if run.returncode != 0:
         killed = run.returncode in (-9, 137)

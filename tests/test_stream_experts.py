@@ -11,8 +11,9 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete
 from shardstream.shard import load_index, place_experts
 from shardstream.store import open_store
-from shardstream.store.sharding import Expert
+from shardstream.store.sharding import Expert, _read_direct
 from shardstream.stream import StreamingModel
+from shardstream.stream.direct import aligned, read_buffer
 from tiny_models import save_checkpoint
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
@@ -226,3 +227,26 @@ def test_top_4_families_in_groups_match_transformers(tmp_path, model_type, extra
             got = model(ids).logits
             assert torch.equal(got, want) if budget == "auto" else (got - want).abs().max().item() <= 1e-6
             assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+
+
+def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):
+    """Experts that outgrow memory are read with O_DIRECT into the page-aligned read buffers (any other
+    buffer falls back to reads dropped from the page cache): the same tensors as a plain read, and a
+    damaged file fails its checksum either way."""
+    _, store = _store(tmp_path)
+    index = load_index(store)
+    for record in list(index.experts.values())[:3]:
+        expert = Expert(store, index, record)
+        size = index.files[record.file].size
+        assert _read_direct(expert.path, read_buffer(aligned(size)), size) == size   # O_DIRECT taken, not refused
+        expected = expert.read(verify=True)
+        for buffer in (read_buffer(aligned(size)), bytearray(size)):
+            for drop in (True, False):
+                got = expert.read_into(buffer, drop=drop)
+                assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    data = bytearray(expert.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    expert.path.write_bytes(bytes(data))
+    for buffer in (read_buffer(aligned(size)), bytearray(size)):
+        with pytest.raises(StoreCorrupt, match="fails its checksum"):
+            expert.read_into(buffer, drop=True)

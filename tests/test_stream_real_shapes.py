@@ -23,6 +23,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from shardstream.convert import convert
+from shardstream.errors import InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
 
@@ -151,3 +152,31 @@ def test_real_shapes_exact_against_transformers(built, shape, budget):
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
     assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), tokens)
     model.close()
+
+
+def test_auto_read_ahead_cuts_finer_pieces_in_the_same_memory(built):
+    """prefetch_depth='auto' on a CPU: the Llama-3.2-1B shape's MLP Linears (32 MiB each in bf16) are one
+    piece each, 3 read ahead, in the working set two 64 MiB pieces (gate and up together) took with one
+    read ahead: more reads in flight, no more memory, the same logits."""
+    _, store = built("llama-3.2-1b")
+    ids = torch.tensor(IDS)
+    logits = {}
+    for options in ({}, dict(prefetch_depth=1, piece_bytes=64 << 20)):
+        with StreamingModel(open_store(store), max_resident_memory=0, **options) as model:
+            largest = max(p.nbytes for ps in model.pieces.values() for p in ps)
+            logits[bool(options)] = model(ids).logits
+            sizes = (largest, model._streaming._depth, model.stream_working_set)
+        if options:
+            assert sizes[:2] == (64 << 20, 1)
+            assert sizes[2] == auto[2]
+        else:
+            auto = sizes
+            assert sizes[:2] == (32 << 20, 3)
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.parametrize("depth", [0, "deep", True, 1.5])
+def test_prefetch_depth_is_checked(built, depth):
+    _, store = built("llama-3.2-1b")
+    with pytest.raises(InvalidOption, match=r"prefetch_depth must be 'auto' or a number of pieces >= 1, not "):
+        StreamingModel(open_store(store), prefetch_depth=depth)

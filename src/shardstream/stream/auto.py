@@ -28,7 +28,7 @@ class AutoModel:
         delete_original: bool = False,
         profiling_mode: bool = False,
         prefetching: bool = True,
-        prefetch_depth: int = 1,
+        prefetch_depth: int | str = "auto",
         device: str | torch.device = "cpu",
         max_resident_memory: int | str | None = "auto",
         verify_checksums: bool = True,

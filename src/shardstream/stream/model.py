@@ -33,6 +33,7 @@ from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
 from .meta import WrapsModel, build_meta_model, common_module
+from . import pieces as splitting
 from .pieces import Piece, held_through, split_block, whole, working_set
 from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
@@ -65,15 +66,16 @@ class StreamingModel(WrapsModel):
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
 
     def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
-                 prefetch_depth: int = 1, max_resident_memory: int | str | None = "auto",
+                 prefetch_depth: int | str = "auto", max_resident_memory: int | str | None = "auto",
                  profiling_mode: bool = False, verify_checksums: bool = True,
                  compute_dtype: str | torch.dtype | None = "auto",
                  experts: str = "with_block", piece_bytes: int | None = None,
                  max_host_memory: int | str | None = "auto", max_seq_len: int | None = None,
                  max_expert_memory: int | str | None = "auto",
                  shape_model: Callable[[torch.nn.Module], None] | None = None):
-        if prefetch_depth < 1:
-            raise InvalidOption(f"prefetch_depth must be at least 1, not {prefetch_depth}.")
+        if prefetch_depth != "auto" and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+                                         or prefetch_depth < 1):
+            raise InvalidOption(f"prefetch_depth must be 'auto' or a number of pieces >= 1, not {prefetch_depth!r}.")
         if experts not in EXPERT_MODES:
             raise InvalidOption(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}.")
         if max_expert_memory != "auto":
@@ -103,6 +105,8 @@ class StreamingModel(WrapsModel):
         self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model))
         blocks = [self.model.get_submodule(p) for p in prefixes]
+        if prefetch_depth == "auto":
+            piece_bytes, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, piece_bytes)
         pieces = self._split(blocks, prefixes, mapper, piece_bytes)
         sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
@@ -182,6 +186,31 @@ class StreamingModel(WrapsModel):
                     "re-convert the checkpoint with this transformers version."
                 )
 
+    def _read_ahead(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
+                    piece_bytes: int | None) -> tuple[int | None, int]:
+        """(piece_bytes, prefetch_depth) for prefetch_depth='auto'. On a CPU with the default pieces: blocks cut
+        at half PIECE_BYTES, and as many pieces read ahead as fill the working set that PIECE_BYTES pieces with
+        one read ahead would take. The same memory then holds more, smaller pieces, so both reader threads have
+        one to read while a third computes: with O_DIRECT the disk works only on what is asked of it, and one
+        piece at a time left it idle between pieces. Under a 1200 MiB cap a Llama-3.2-1B-shaped bf16 model
+        decodes 10-22% faster this way, 3 rounds side by side (its MLP Linears one per piece, 3 read
+        ahead); where a Linear alone exceeds half PIECE_BYTES (a 7B's MLP) nothing changes. Elsewhere (a
+        GPU's copies, pieces asked for): one piece read ahead."""
+        if piece_bytes is not None or self.device.type != "cpu":
+            return piece_bytes, 1
+
+        def largest(limit: int) -> int:
+            return max((p.nbytes for k, (block, prefix) in enumerate(zip(blocks, prefixes))
+                        for p in split_block(block, prefix, self._piece_names(k, mapper), limit)[1:]), default=0)
+
+        coarse = splitting.PIECE_BYTES   # read at call time, as split_block does
+        fine = largest(coarse // 2)
+        return coarse // 2, max(1, 2 * largest(coarse) // fine - 1) if fine else 1
+
+    def _piece_names(self, block: int, mapper: WeightMapper) -> set[str]:
+        """The block's parameters its part provides (not MoE experts read on demand)."""
+        return self._slots[block].names & mapper.target_names(self._loader.checkpoint_keys(block))
+
     def _split(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
                piece_bytes: int | None) -> dict[int, list[Piece]]:
         """Each block's pieces (pieces.py: siblings grouped up to `piece_bytes`), and the loader's plan
@@ -189,7 +218,7 @@ class StreamingModel(WrapsModel):
         pieces: dict[int, list[Piece]] = {}
         plan: dict[tuple[int, int], list[str] | None] = {}
         for k, (block, prefix) in enumerate(zip(blocks, prefixes)):
-            names = self._slots[k].names & mapper.target_names(self._loader.checkpoint_keys(k))
+            names = self._piece_names(k, mapper)
             split = split_block(block, prefix, names, piece_bytes)
             keys = self._loader.split(k, split)
             if keys is None:
