@@ -154,25 +154,24 @@ def test_real_shapes_exact_against_transformers(built, shape, budget):
     model.close()
 
 
-def test_auto_read_ahead_cuts_finer_pieces_in_the_same_memory(built):
-    """prefetch_depth='auto' on a CPU: the Llama-3.2-1B shape's MLP Linears (32 MiB each in bf16) are one
-    piece each, 3 read ahead, in the working set two 64 MiB pieces (gate and up together) took with one
-    read ahead: more reads in flight, no more memory, the same logits."""
-    _, store = built("llama-3.2-1b")
+@pytest.mark.parametrize("compression", [None, "4bit"])
+def test_auto_read_ahead_cuts_finer_pieces_in_the_same_memory(built, tmp_path, compression):
+    """prefetch_depth='auto' on a CPU: the Llama-3.2-1B shape's MLP Linears (32 MiB each in bf16; their
+    codes, multiplied packed, in a 4-bit store) are one piece each, 3 read ahead, in the working set that
+    two pieces of gate and up together took with one read ahead: more reads in flight, no more memory,
+    the same logits."""
+    ckpt, store = built("llama-3.2-1b")
+    if compression:
+        convert(ckpt, tmp_path / "store", compression=compression, progress=False)
+        store = tmp_path / "store"
     ids = torch.tensor(IDS)
-    logits = {}
-    for options in ({}, dict(prefetch_depth=1, piece_bytes=64 << 20)):
+    runs = {}
+    for name, options in (("auto", {}), ("before", dict(prefetch_depth=1, piece_bytes=64 << 20))):
         with StreamingModel(open_store(store), max_resident_memory=0, **options) as model:
-            largest = max(p.nbytes for ps in model.pieces.values() for p in ps)
-            logits[bool(options)] = model(ids).logits
-            sizes = (largest, model._streaming._depth, model.stream_working_set)
-        if options:
-            assert sizes[:2] == (64 << 20, 1)
-            assert sizes[2] == auto[2]
-        else:
-            auto = sizes
-            assert sizes[:2] == (32 << 20, 3)
-    assert torch.equal(logits[True], logits[False])
+            runs[name] = (model(ids).logits, model._streaming._depth, model.stream_working_set,
+                          max(len(ps) for ps in model.pieces.values()))
+    assert runs["auto"][1:] == (3, runs["before"][2], 5) and runs["before"][1:] == (1, runs["before"][2], 4)
+    assert torch.equal(runs["auto"][0], runs["before"][0])
 
 
 @pytest.mark.parametrize("depth", [0, "deep", True, 1.5])

@@ -34,7 +34,7 @@ from .loader import BlockLoader
 from .mapped import release_unviewed
 from .meta import WrapsModel, build_meta_model, common_module
 from . import pieces as splitting
-from .pieces import Piece, held_through, split_block, whole, working_set
+from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
 from .weights import Slots, WeightMapper
@@ -105,9 +105,7 @@ class StreamingModel(WrapsModel):
         self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model))
         blocks = [self.model.get_submodule(p) for p in prefixes]
-        if prefetch_depth == "auto":
-            piece_bytes, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, piece_bytes)
-        pieces = self._split(blocks, prefixes, mapper, piece_bytes)
+        pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, piece_bytes, prefetch_depth)
         sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
@@ -187,51 +185,46 @@ class StreamingModel(WrapsModel):
                 )
 
     def _read_ahead(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
-                    piece_bytes: int | None) -> tuple[int | None, int]:
-        """(piece_bytes, prefetch_depth) for prefetch_depth='auto'. On a CPU with the default pieces: blocks cut
-        at half PIECE_BYTES, and as many pieces read ahead as fill the working set that PIECE_BYTES pieces with
-        one read ahead would take. The same memory then holds more, smaller pieces, so both reader threads have
-        one to read while a third computes: with O_DIRECT the disk works only on what is asked of it, and one
-        piece at a time left it idle between pieces. Under a 1200 MiB cap a Llama-3.2-1B-shaped bf16 model
-        decodes 10-22% faster this way, 3 rounds side by side (its MLP Linears one per piece, 3 read
-        ahead); where a Linear alone exceeds half PIECE_BYTES (a 7B's MLP) nothing changes. Elsewhere (a
-        GPU's copies, pieces asked for): one piece read ahead."""
-        if piece_bytes is not None or self.device.type != "cpu":
-            return piece_bytes, 1
-
-        def largest(limit: int) -> int:
-            return max((p.nbytes for k, (block, prefix) in enumerate(zip(blocks, prefixes))
-                        for p in split_block(block, prefix, self._piece_names(k, mapper), limit)[1:]), default=0)
-
-        coarse = splitting.PIECE_BYTES   # read at call time, as split_block does
-        fine = largest(coarse // 2)
-        return coarse // 2, max(1, 2 * largest(coarse) // fine - 1) if fine else 1
-
-    def _piece_names(self, block: int, mapper: WeightMapper) -> set[str]:
-        """The block's parameters its part provides (not MoE experts read on demand)."""
-        return self._slots[block].names & mapper.target_names(self._loader.checkpoint_keys(block))
+                    piece_bytes: int | None, depth: int | str) -> tuple[dict[int, list[Piece]], int]:
+        """The blocks' pieces (see `_split`) and how many are read ahead. `depth='auto'` on a CPU with the
+        default pieces: blocks cut at half PIECE_BYTES, and as many pieces read ahead as fill the working
+        set that PIECE_BYTES pieces with one read ahead would take. The same memory then holds more,
+        smaller pieces, so both reader threads have one to read while a third computes: with O_DIRECT the
+        disk works only on what is asked of it, and one piece at a time left it idle between pieces. Under
+        a 1200 MiB cap a Llama-3.2-1B-shaped bf16 model decodes 10-22% faster this way, 3 rounds side by
+        side (its MLP Linears one per piece, 3 read ahead); where a Linear alone exceeds half PIECE_BYTES
+        (a 7B's MLP), or a block is read whole, nothing changes. Elsewhere (a GPU's copies, pieces asked
+        for): one piece read ahead."""
+        if depth != "auto" or piece_bytes is not None or self.device.type != "cpu":
+            return self._split(blocks, prefixes, mapper, piece_bytes), 1 if depth == "auto" else depth
+        default = splitting.PIECE_BYTES   # read at call time, as split_block does
+        pieces = self._split(blocks, prefixes, mapper, default // 2)
+        largest = largest_counted(pieces)
+        before = largest_counted(self._split(blocks, prefixes, mapper, default, plan=False))
+        return pieces, max(1, 2 * before // largest - 1) if largest else 1
 
     def _split(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
-               piece_bytes: int | None) -> dict[int, list[Piece]]:
-        """Each block's pieces (pieces.py: siblings grouped up to `piece_bytes`), and the loader's plan
-        for reading them; a block the loader cannot split (see BlockLoader.split) is one piece."""
+               piece_bytes: int | None, plan: bool = True) -> dict[int, list[Piece]]:
+        """Each block's pieces (pieces.py: siblings grouped up to `piece_bytes`), and (`plan`) the loader's
+        plan for reading them; a block the loader cannot split (see BlockLoader.split) is one piece."""
         pieces: dict[int, list[Piece]] = {}
-        plan: dict[tuple[int, int], list[str] | None] = {}
+        reads: dict[tuple[int, int], list[str] | None] = {}
         for k, (block, prefix) in enumerate(zip(blocks, prefixes)):
-            names = self._piece_names(k, mapper)
+            names = self._slots[k].names & mapper.target_names(self._loader.checkpoint_keys(k))
             split = split_block(block, prefix, names, piece_bytes)
             keys = self._loader.split(k, split)
             if keys is None:
                 pieces[k] = whole(block, names, self._slots[k].nbytes - self._loader.packing_saves(names))
-                plan[(k, 0)] = None
+                reads[(k, 0)] = None
                 continue
             split = [replace(p, nbytes=p.nbytes - self._loader.packing_saves(p.names)) for p in split]
             kept = [0] + [i for i in range(1, len(split)) if keys[i]]
             # a piece with nothing to read (experts filled on demand) is in memory for the whole block, as piece 0 is
             unread = sum(p.nbytes for i, p in enumerate(split) if i not in kept)
             pieces[k] = [replace(split[0], nbytes=split[0].nbytes + unread), *(split[i] for i in kept[1:])]
-            plan.update({(k, n): keys[i] for n, i in enumerate(kept)})
-        self._loader.plan(plan, frozenset(key for key in plan if held_through(pieces[key[0]], key[1])))
+            reads.update({(k, n): keys[i] for n, i in enumerate(kept)})
+        if plan:
+            self._loader.plan(reads, frozenset(key for key in reads if held_through(pieces[key[0]], key[1])))
         return pieces
 
     def _check_room(self) -> None:

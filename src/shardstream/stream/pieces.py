@@ -84,9 +84,13 @@ def held_through(pieces: list[Piece], piece: int) -> bool:
     return piece == 0 and len(pieces) > 1
 
 
+def largest_counted(plan: dict[int, list[Piece]]) -> int:
+    """Bytes of the largest piece that takes one of the reader's slots (not a held-through piece 0)."""
+    return max((p.nbytes for ps in plan.values() for i, p in enumerate(ps) if not held_through(ps, i)), default=0)
+
+
 def working_set(plan: dict[int, list[Piece]], in_flight: int) -> int:
     """Bytes the streamed pieces take at most: `in_flight` counted pieces plus two held-through
     pieces 0 (the running block's and the next one's, read ahead)."""
-    counted = [p.nbytes for ps in plan.values() for i, p in enumerate(ps) if not held_through(ps, i)]
     held = [ps[0].nbytes for ps in plan.values() if held_through(ps, 0)]
-    return in_flight * max(counted, default=0) + min(2, len(plan)) * max(held, default=0)
+    return in_flight * largest_counted(plan) + min(2, len(plan)) * max(held, default=0)
