@@ -193,12 +193,17 @@ def test_each_rank_reads_half_of_every_split_tensor_and_all_of_the_norms(runs, n
                                   "mixtral-streamed", "qwen3_moe-fused-streamed"])
 def test_streaming_ranks_read_half_of_every_block_per_pass(runs, name):
     """max_resident_memory=0: no block stays in memory, and each rank reads its half of every block on every
-    pass (its shares plus the replicated norms)."""
+    pass (its shares plus the replicated norms). The count starts and stops while the reader may have read
+    ahead into the next pass (a block of a two-block model, either end), hence one block's share over the
+    passes counted beside 5%."""
     stores, _, results = runs
+    store = open_store(stores[_streamed(name)])
     blocks = _block_bytes(stores[_streamed(name)])
+    largest = max(store.part_nbytes(p) for p in store.parts if p.startswith("mid/"))
     for rank in (0, 1):
-        assert results[name][rank]["resident_blocks"] == 0
-        assert 0.45 * blocks <= results[name][rank]["per_pass"] <= 0.55 * blocks
+        result = results[name][rank]
+        assert result["resident_blocks"] == 0
+        assert abs(result["per_pass"] - blocks / 2) <= 0.05 * blocks + largest / 2 / result["passes"]
 
 
 def test_ranks_within_the_default_budget_keep_every_block(runs):

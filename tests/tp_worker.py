@@ -35,11 +35,12 @@ def run(job: dict, rank: int) -> None:
     logits = model(IDS).logits
     before = model.bytes_read
     tokens = model.generate(IDS, max_new_tokens=8, do_sample=False)
-    per_pass = (model.bytes_read - before) / model.forward_passes
+    passes = model.forward_passes
+    per_pass = (model.bytes_read - before) / passes
     torch.manual_seed(rank)   # each rank its own random state: rank 0's must be used
     sampled = model.generate(IDS, max_new_tokens=8, do_sample=True, temperature=1.5)
     (out / f"{job['name']}.{rank}.json").write_text(json.dumps({
-        "bytes_read": opened, "share_bytes_read": model.share_bytes_read, "per_pass": per_pass,
+        "bytes_read": opened, "share_bytes_read": model.share_bytes_read, "per_pass": per_pass, "passes": passes,
         "resident_blocks": len(model.resident_blocks), "rank_store": str(model.rank_store.root),
         "sampled": sampled.tolist(), "dtype": str(logits.dtype)}))
     model.close()
