@@ -234,7 +234,7 @@ class OnDemandExperts:
 
     def _load(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], mmap.mmap | None]:
         """One expert's checkpoint tensors, read and checked: into a reused buffer (then given back by the
-        caller) from a local file, its pages dropped from the page cache when `drop_pages`."""
+        caller) from a local file, past the page cache when `drop_pages` (Expert.read_into)."""
         placed = load_expert(self.store, layer, expert)
         if placed.path is None:
             return placed.tensors, None
