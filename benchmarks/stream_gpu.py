@@ -141,7 +141,8 @@ def read_speed(path: Path) -> tuple[float, int]:
     buffers, as the loader reads them (direct.read_ranges into a BufferPool(pin=True)), with 1, 2 and 4
     readers."""
     from shardstream.store import open_store
-    from shardstream.stream.direct import BufferPool, aligned, read_ranges
+    from shardstream.store.direct_io import aligned
+    from shardstream.stream.direct import BufferPool, read_ranges
 
     store = open_store(path)
     names = [f for p in store.parts if p.startswith("mid/") for f in store.manifest.parts[p].files]

@@ -13,7 +13,8 @@ from shardstream.shard import load_index, place_experts
 from shardstream.store import open_store
 from shardstream.store.sharding import Expert, _read_direct
 from shardstream.stream import StreamingModel
-from shardstream.stream.direct import aligned, read_buffer
+from shardstream.store.direct_io import aligned
+from shardstream.stream.direct import read_buffer
 from tiny_models import save_checkpoint
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2

@@ -10,7 +10,6 @@ in its tier file only, and `Store.load("mid/<l>")` reads them from there (see `E
 
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -22,11 +21,11 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from .checksum import checksum_bytes
+from .direct_io import DirectUnsupported, aligned, open_file, read_at
 from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
 READ_CHUNK = 64 << 20   # an expert file read in pieces of this size (Expert.read_into)
-PAGE = 4096   # O_DIRECT's alignment of buffer address, file offset and length
 
 
 class StoreFiles(Protocol):
@@ -180,31 +179,19 @@ def _read_plain(path: Path, view: memoryview, drop: bool) -> int:
 def _read_direct(path: Path, buffer, size: int) -> int | None:
     """Read the file's `size` bytes into `buffer` with O_DIRECT; None where that cannot be (no O_DIRECT
     on this system or filesystem, a buffer not page-aligned or too short for the page-rounded size)."""
-    rounded = -(-size // PAGE) * PAGE
-    view = memoryview(buffer)
-    if not hasattr(os, "O_DIRECT") or len(view) < rounded:
+    view = memoryview(buffer)[:aligned(size)]
+    if not hasattr(os, "O_DIRECT") or len(view) < aligned(size):
         return None
-    view = view[:rounded]
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            return None
-        raise
+        fd = open_file(path)
+    except DirectUnsupported:
+        return None
     try:
-        done = 0
-        while done < rounded:
-            got = os.preadv(fd, [view[done:done + READ_CHUNK]], done)
-            if not got:
-                break
-            done += got
-    except OSError as error:
-        if error.errno == errno.EINVAL:   # the buffer's address is not aligned, or the read was refused
-            return None
-        raise
+        return min(read_at(fd, path, view, 0), size)
+    except DirectUnsupported:   # the buffer's address is not aligned, or the read was refused
+        return None
     finally:
         os.close(fd)
-    return min(done, size)
 
 
 def checked(data: bytes, record: FileRecord, where: str) -> bytes:

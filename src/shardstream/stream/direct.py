@@ -25,7 +25,6 @@ When the whole model fits in memory, mapping stays the faster way (a warm page c
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import threading
@@ -36,16 +35,12 @@ import xxhash
 from ..errors import InvalidOption
 from ..store import Store, problems
 from ..store.checksum import checksum_bytes
+from ..store.direct_io import aligned, open_file, read_at
 from ..memory import available_memory
 
-ALIGN = 4096  # O_DIRECT wants buffer address, file offset and length aligned to the logical block size
 MODES = ("auto", "on", "off", "dropped")
 ENV = "SHARDSTREAM_DIRECT_IO"
 READINGS = ("mapped", "dropped", "direct")
-
-
-class DirectUnsupported(OSError):
-    """This file's filesystem refuses O_DIRECT; map the file instead."""
 
 
 def block_reading(store: Store, mode: str | None = None, memory: int | None = None, copy_free: bool = False) -> str:
@@ -154,36 +149,11 @@ def read_buffer(size: int) -> mmap.mmap:
     return buffer
 
 
-def aligned(offset: int) -> int:
-    """`offset` rounded up to the O_DIRECT alignment."""
-    return -(-offset // ALIGN) * ALIGN
-
-
 def _open(path, direct: bool = True) -> int:
     try:
-        return os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        return open_file(path, direct)
     except FileNotFoundError:
         raise problems.missing(path) from None
-    except OSError as error:
-        if error.errno == errno.EINVAL:
-            raise DirectUnsupported(error.errno, f"{path}: O_DIRECT not supported") from None
-        raise
-
-
-def _pread(fd: int, path, view: memoryview, offset: int) -> int:
-    """Fill `view` from file offset `offset` (aligned); fewer bytes only at the end of the file."""
-    done = 0
-    while done < len(view):
-        try:
-            got = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as error:
-            if error.errno == errno.EINVAL:  # open accepted O_DIRECT, the read did not
-                raise DirectUnsupported(error.errno, f"{path}: O_DIRECT read refused") from None
-            raise
-        if not got:
-            break
-        done += got
-    return done
 
 
 def _check_size(store: Store, file_name: str, fd: int, path) -> int:
@@ -205,7 +175,7 @@ def verify_unkept(store: Store, file_name: str, direct: bool = True, chunk: int 
         hasher = xxhash.xxh3_128()
         done = 0
         while done < size:
-            got = _pread(fd, path, view, done)
+            got = read_at(fd, path, view, done)
             if not got:
                 break
             hasher.update(view[:min(got, size - done)])
@@ -233,7 +203,7 @@ def read_ranges(store: Store, file_name: str, spans: list[tuple[int, int]], buff
         size = _check_size(store, file_name, fd, path)
         whole = memoryview(buffer)
         for begin, end in spans:
-            got = _pread(fd, path, whole[at:at + end - begin], begin)
+            got = read_at(fd, path, whole[at:at + end - begin], begin)
             if got < min(end, size) - begin:
                 raise problems.shorter(path)
             if drop and not direct:
@@ -253,7 +223,7 @@ def read_direct(store: Store, file_name: str, pool: BufferPool, verify: bool = F
     try:
         size = _check_size(store, file_name, fd, path)
         buffer = pool.take(max(size, capacity))
-        done = _pread(fd, path, memoryview(buffer), 0)
+        done = read_at(fd, path, memoryview(buffer), 0)
         if done < size:
             raise problems.shorter(path)
         view = memoryview(buffer)[:size]

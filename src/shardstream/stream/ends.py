@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..store import Store
+from ..store.direct_io import ALIGN, DirectUnsupported, aligned
 from ..store.dtypes import TORCH_DTYPES
 from ..store.reader import read_spans
-from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, read_ranges, verify_unkept
+from .direct import BufferPool, read_ranges, verify_unkept
 from .linear import flat_linear
 from .mapped import verify_mapped
 from .weights import WeightMapper

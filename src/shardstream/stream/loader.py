@@ -15,8 +15,9 @@ import torch
 
 from .. import quant
 from ..store import Store
+from ..store.direct_io import ALIGN, DirectUnsupported, aligned
 from ..store.partfile import tensor_from_bytes
-from .direct import ALIGN, BufferPool, DirectUnsupported, aligned, block_reading, read_direct, read_ranges, verify_unkept
+from .direct import BufferPool, block_reading, read_direct, read_ranges, verify_unkept
 from .mapped import cool, map_part, map_ranges, release_unviewed, spans, verify_mapped
 from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import PIECE_BYTES, Piece
