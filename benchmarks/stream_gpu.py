@@ -61,6 +61,7 @@ Run on a machine with a GPU: `python benchmarks/stream_gpu.py [--shape llama-3.2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -256,6 +257,24 @@ def prepare(mode: str, args) -> dict:
     return {"seconds": time.perf_counter() - started}
 
 
+@contextlib.contextmanager
+def profiled(folder: str | None, mode: str):
+    """Under --profile, torch.profiler over the timed decode steps, its tables (by GPU time and by host time)
+    written to <folder>/profile-<mode>.txt: where a step's time goes, kernels, copies and launches."""
+    if not folder:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    averages = prof.key_averages()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"profile-{mode}.txt").write_text(
+        averages.table(sort_by="cuda_time_total", row_limit=30) + "\n\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def run_one(mode: str, args) -> dict:
     """Prefill, then --new-tokens greedy decode steps with the KV cache (--airllm-tokens for AirLLM); tokens/s
     of each, and the first tokens."""
@@ -280,12 +299,13 @@ def run_one(mode: str, args) -> dict:
             prefill = time.perf_counter() - started
             started = time.perf_counter()
             steps = 2 if warm else new_tokens
-            for _ in range(steps):
-                out = model(token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                if not warm:
-                    tokens.append(token.item())
-            torch.cuda.synchronize()
+            with profiled(args.profile if not warm else None, mode):
+                for _ in range(steps):
+                    out = model(token, past_key_values=cache, use_cache=True)
+                    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    if not warm:
+                        tokens.append(token.item())
+                torch.cuda.synchronize()
             decode = time.perf_counter() - started
     result = {"prefill": args.prompt / prefill, "decode": new_tokens / decode, "tokens": tokens[:8],
               "gpu_peak_mib": torch.cuda.max_memory_allocated() // (1 << 20)}
@@ -306,7 +326,8 @@ def child(args, mode: str, action: str = "--run", limit: float | None = None) ->
     python = args.airllm if mode in AIRLLM and args.airllm else sys.executable
     command = [python, __file__, action, mode, "--size", args.size, "--prompt", str(args.prompt),
                "--new-tokens", str(args.new_tokens), "--airllm-tokens", str(args.airllm_tokens),
-               "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
+               "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else []),
+               *(["--profile", args.profile] if args.profile else [])]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -341,6 +362,9 @@ def main() -> None:
     parser.add_argument("--prepare-timeout", type=int, default=300,
                         help="seconds the untimed first opening of an AirLLM setting (its split) may take")
     parser.add_argument("--budget", type=int, help="seconds the whole run may take (default: no bound)")
+    parser.add_argument("--profile", metavar="FOLDER",
+                        help="profile each setting's timed decode steps (torch.profiler; its speed is then not the "
+                             "setting's own) and write the tables to FOLDER/profile-<setting>.txt")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     args = parser.parse_args()

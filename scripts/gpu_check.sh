@@ -5,8 +5,8 @@
 # the GPU), and on that shape against AirLLM, plain and 4-bit. The wheels in .whl/ (the pinned
 # transformers and bitsandbytes, airllm==4.0.0: scripts/gpu_wheels.sh fetches them) are installed first
 # into a folder of their own. Every log and table goes to $OUT (default artifacts/gpu-check).
-#   bash scripts/gpu_check.sh [tests] [reference] [llama-3.2-1b] [peers]     (default: all four)
-# Time plan, 8 minutes in all (seconds; the times of builds and settings are estimates from the earlier GPU
+#   bash scripts/gpu_check.sh [tests] [reference] [llama-3.2-1b] [peers] [profile]     (default: all five)
+# Time plan, 9 minutes in all (seconds; the times of builds and settings are estimates from the earlier GPU
 # runs; a step's settings run in the order below, and those that would start after its budget say "not run"
 # in a table printed all the same; `timeout` stops a step that hangs):
 #   wheels, machine info  ~15
@@ -19,7 +19,9 @@
 #   peers          140  PEERS_BUDGET      each AirLLM setting opened once untimed (its split: ~20 each), then
 #                                         airllm-4bit beside stream-4bit-direct and airllm beside stream-direct;
 #                                         8 tokens, 4 for AirLLM (~2 s a pass, every layer read again)
-#   in all        ~465
+#   profile        60  PROFILE_BUDGET    the shape's host tier and whole-on-GPU decode under torch.profiler
+#                                         (PROFILE_MODES): profile-<setting>.txt, GPU and host time by operator
+#   in all        ~525
 # `peers` alone builds the shape first: give it PEERS_BUDGET=180.
 # Narrower: TESTS_SELECT (pytest -k), REFERENCE_MODES, SHAPE_MODES and PEERS_MODES (benchmarks/stream_gpu.py
 # --modes), CHILD_TIMEOUT (seconds one setting may take), BENCH_TIMEOUT (every benchmark step's budget).
@@ -35,7 +37,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-steps=${*:-tests reference llama-3.2-1b peers}
+steps=${*:-tests reference llama-3.2-1b peers profile}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   python3 -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton not installed: no 4-bit kernel"
@@ -54,6 +56,8 @@ for step in $steps; do
              | tail -40 | tee "$OUT/tests.txt" ;;
     reference) bench "${REFERENCE_BUDGET:-90}" reference \
                  --modes "${REFERENCE_MODES:-stream,stream-4bit,stream-4bit-dequant,gpu,batch-1,batch-32,stream-4bit-direct}" ;;
+    profile) bench "${PROFILE_BUDGET:-60}" profile --shape llama-3.2-1b --new-tokens 8 --profile "$OUT" \
+               --modes "${PROFILE_MODES:-stream,gpu}" ;;
     peers) bench "${PEERS_BUDGET:-140}" peers --shape llama-3.2-1b --new-tokens 8 --airllm-tokens 4 \
              --modes "${PEERS_MODES:-airllm-4bit,stream-4bit-direct,airllm,stream-direct}" ;;
     *) bench "${SHAPE_BUDGET:-120}" "$step" --shape "$step" --new-tokens 16 \
