@@ -35,7 +35,9 @@ Settings (`--modes`):
   before the timed ones (`--prepare-timeout`). Its model is transformers' own with hooks that load
   each layer before it runs and drop it after, so the KV cache is transformers' and the timed calls
   are the same as every other setting's; every layer is read (from the page cache here) on every step.
-- gpu: transformers with the whole model on the GPU (the compute floor). bnb-nf4: the same in
+- gpu: transformers with the whole model on the GPU (the compute floor). gpu-nocudnn: the same with
+  attention kept off cuDNN's kernel, as shardstream runs it (stream/attention.py: cuDNN plans anew for every
+  key length, so every decode step of every block waits on the host). bnb-nf4: the same in
   bitsandbytes NF4 (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`, compute in the
   model's dtype): the compute floor of 4-bit weights on the GPU.
   The bitsandbytes and AirLLM settings say "not run" where their package is not installed.
@@ -92,6 +94,7 @@ MODES = {"stream": "shardstream, host tier (blocks page-locked in host RAM), cop
          "airllm": "AirLLM 4.0, device=\"cuda\"",
          "airllm-4bit": "AirLLM 4.0, device=\"cuda\", compression=\"4bit\" (bitsandbytes NF4)",
          "gpu": "transformers, whole model on the GPU",
+         "gpu-nocudnn": "transformers, whole model on the GPU, attention without cuDNN's (as shardstream runs it)",
          "bnb-nf4": "transformers, whole model on the GPU in bitsandbytes NF4",
          **{f"batch-{n}": f"shardstream batch engine (as serve), host tier, {n} concurrent requests" for n in (1, 8, 32)}}
 REREAD = ("stream-direct", "stream-4bit-direct", "stream-4bit-direct-dequant")
@@ -217,7 +220,7 @@ def open_backend(mode: str, ckpt: Path, store: Path, store4: Path, dtype):
         return AirLLMModel.from_pretrained(str(ckpt), device=DEVICE, dtype=dtype,
                                            compression="4bit" if mode == "airllm-4bit" else None,
                                            layer_shards_saving_path=str(ckpt.parent / f"{mode}-layers"))
-    if mode == "gpu":
+    if mode in ("gpu", "gpu-nocudnn"):
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(DEVICE).eval()
     if mode == "bnb-nf4":
         from transformers import BitsAndBytesConfig
@@ -281,6 +284,8 @@ def run_one(mode: str, args) -> dict:
     import torch
     from transformers import AutoConfig
 
+    from shardstream.stream.attention import attention_kernels
+
     ckpt, store, store4 = build(args)
     config = AutoConfig.from_pretrained(ckpt)
     model = open_backend("stream" if mode.startswith("batch") else mode, ckpt, store, store4, model_dtype(args))
@@ -289,7 +294,8 @@ def run_one(mode: str, args) -> dict:
     new_tokens = args.airllm_tokens if mode in AIRLLM else args.new_tokens
     ids = torch.randint(3, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     tokens = []
-    with torch.no_grad():
+    kernels = attention_kernels(torch.device(DEVICE)) if mode == "gpu-nocudnn" else contextlib.nullcontext()
+    with torch.no_grad(), kernels:
         for warm in (True, False):  # the first pass warms CUDA's kernels and allocator
             torch.cuda.synchronize()
             started = time.perf_counter()

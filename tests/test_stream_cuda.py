@@ -65,6 +65,18 @@ def test_streamed_blocks_on_the_gpu_match_transformers_on_the_gpu(tmp_path, fami
         _check_against(reference, model, _prompts())
 
 
+def test_decode_steps_on_the_gpu_run_without_cudnn_attention(tmp_path):
+    """cuDNN plans its attention for each new key length: one plan per block per decode step, on the host."""
+    _, store = _make(tmp_path, "llama")
+    seen = []
+    with AutoModel.from_pretrained(store, device="cuda", max_resident_memory=0, progress=False) as model:
+        model.model.model.layers[0].register_forward_pre_hook(
+            lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+        model.generate(_prompts(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def _piece_keys(model) -> set[tuple[int, int]]:
     """(block, piece) of every streamed piece."""
     return {(block, i) for block, pieces in model.pieces.items() for i in range(len(pieces))}

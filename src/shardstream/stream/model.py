@@ -24,6 +24,7 @@ from ..quant import QuantizedTensor
 from ..serving.admission import Shape, prefill_chunk, room
 from ..serving.text import check_context
 from ..store import Store
+from .attention import attention_kernels
 from .blocks import StreamedBlocks, fill_block
 from .compute_dtype import parse_compute_dtype
 from .direct import block_reading
@@ -317,7 +318,7 @@ class StreamingModel(WrapsModel):
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass (transformers' semantics: `.logits`, `past_key_values` ...)."""
         self.check_length(input_ids, 0)
-        with torch.no_grad(), self._profiled():
+        with torch.no_grad(), self._profiled(), attention_kernels(self.device):
             return self.model(input_ids=input_ids, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
@@ -334,7 +335,7 @@ class StreamingModel(WrapsModel):
                 kwargs["prefill_chunk_size"] = chunk
         if kwargs.get("assistant_model") is not None:
             kwargs["assistant_model"] = self._assistant(kwargs["assistant_model"], "assistant_tokenizer" in kwargs)
-        with self._profiled():
+        with self._profiled(), attention_kernels(self.device):
             return self.model.generate(input_ids=input_ids, **kwargs)
 
     def prefill_chunk(self, rows: int, length: int, new_tokens: int) -> int:
