@@ -28,6 +28,7 @@ from .blocks import StreamedBlocks, fill_block
 from .compute_dtype import parse_compute_dtype
 from .direct import block_reading
 from .ends import Ends
+from .habits import TransformersHabits
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
@@ -60,7 +61,7 @@ def _check_files(store: Store) -> None:
             )
 
 
-class StreamingModel(WrapsModel):
+class StreamingModel(TransformersHabits, WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
     longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
@@ -85,6 +86,7 @@ class StreamingModel(WrapsModel):
         parse_compute_dtype(compute_dtype)
         _check_files(store)
         self.store = store
+        self.closed = False
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -316,6 +318,7 @@ class StreamingModel(WrapsModel):
 
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass (transformers' semantics: `.logits`, `past_key_values` ...)."""
+        self.check_open()
         self.check_length(input_ids, 0)
         with torch.no_grad(), self._profiled():
             return self.model(input_ids=input_ids, **kwargs)
@@ -326,6 +329,7 @@ class StreamingModel(WrapsModel):
         `assistant_model` (a StreamingModel or any transformers model) turns on transformers' assisted
         generation: the draft proposes tokens and one pass over the streamed blocks verifies them all.
         """
+        self.check_open()
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self.check_length(input_ids, new_tokens)
         if input_ids is not None and kwargs.get("use_cache", True) and "prefill_chunk_size" not in kwargs:
@@ -393,6 +397,7 @@ class StreamingModel(WrapsModel):
 
     def close(self) -> None:
         """Stop the prefetch thread, drop the hooks, unpin the read buffers."""
+        self.closed = True
         for hook in self._hooks + self._ends_hooks:
             hook.remove()
         self._hooks.clear()
