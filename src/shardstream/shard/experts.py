@@ -28,6 +28,7 @@ from ..naming import Part
 from ..atomic import discard_temp_files
 from ..store.manifest import FileRecord, PartRecord, TensorRecord
 from ..store.partfile import encode_stored
+from ..store.lock import editing
 from ..store.reader import Store
 from ..store.sharding import Expert, ExpertRecord, ShardIndex, expert_record, load_index, tier_root
 from ..store.writer import write_encoded
@@ -49,6 +50,7 @@ def expert_file(tier: str, group: int, expert: int) -> str:
     return f"experts/tier_{tier}/group_{group}/expert_{expert}.safetensors"
 
 
+@editing
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
     """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
     is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
@@ -147,6 +149,7 @@ def _drop_experts_from_part(store: Store, layer: int, buffers: _FileBuffers) -> 
     discard_temp_files(folder)
 
 
+@editing
 def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable[[str], None] = lambda step: None) -> ExpertRecord:
     """Move one expert to `tier`: copy, verify, switch the index, remove the old copy.
 
