@@ -147,8 +147,8 @@ def convert(
         source=where, source_fingerprint=fingerprint, config=config, family=plan.router.family,
         compression=compression, expected_parts=plan.expected_parts,
     )
+    _refuse_other_contents(out, where, fingerprint)   # before the lock file: a folder not ours is left as it is
     with _locked_output(out):
-        _refuse_other_contents(out, where, fingerprint)
         writer = StoreWriter.open(out, fresh)
         job = _Job(src, plan, writer, sequential_shard_processing,
                    layer_memory_warning or _default_layer_warning(), progress)
