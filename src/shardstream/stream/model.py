@@ -38,6 +38,7 @@ from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
+from .shapes import check_stored_shapes
 from .weights import Slots, WeightMapper
 
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
@@ -98,6 +99,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             shape_model(self.model)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
+        check_stored_shapes(store, self.model, mapper)
         self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
         self._loader = (ExpertlessLoader(store, mapper, self.device, verify_checksums, self.experts.checkpoint_names)
                         if self.experts else BlockLoader(store, mapper, self.device, verify_checksums))

@@ -127,6 +127,12 @@ def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerpr
     return Store(folder, manifest), reader.bytes_read
 
 
+def rank_share(manifest: Manifest) -> tuple[int, int] | None:
+    """(rank, ranks) when `manifest` is a rank folder's (its origin names them), else None."""
+    origin = manifest.source_fingerprint or {}
+    return (origin["rank"], origin["size"]) if {"store", "rank", "size"} <= origin.keys() else None
+
+
 def _resumable(folder: Path, origin: dict) -> Manifest | None:
     """The folder's manifest when it was written for the same store, rank count and layout, keeping only
     the parts whose files are all there at their recorded size; else None (the folder is written anew)."""
