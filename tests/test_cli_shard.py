@@ -131,3 +131,20 @@ def test_a_second_shard_of_the_same_store_is_refused_while_the_first_runs(tmp_pa
             "wait for it to finish (or stop it), then run this command again.") in second.stderr
     assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
     assert "experts placed" in run_cli("shard", "store", "--experts", cwd=tmp_path, check=True).stdout
+
+
+def test_relocate_names_a_layer_or_expert_the_store_lacks(tmp_path):
+    """`relocate --expert 12:7` on a 3-layer store said to run `shard --experts` first."""
+    save_checkpoint("mixtral", tmp_path / "src")   # 3 layers of 4 experts
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    save_checkpoint("llama", tmp_path / "dense-src")
+    convert(tmp_path / "dense-src", tmp_path / "dense", progress=False)
+    for store, expert, words in (
+            ("store", "12:7", "the store at store has 3 layers (0 to 2), so no layer 12; name one of them."),
+            ("store", "1:7", "the store at store has 4 experts a layer (0 to 3), so no expert 7; name one of them."),
+            ("dense", "1:1", "the store at dense holds no mixture-of-experts experts (model_type 'llama'); move "
+                             "whole parts with --part instead."),
+            ("store", "1:2", "places no expert 1:2; run `shardstream shard store --experts` first.")):
+        result = run_cli("relocate", store, "--expert", expert, "--tier", "cold", cwd=tmp_path)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert words in " ".join(result.stderr.split()), result.stderr
