@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from store_lock_holder import stop_while_locked
 from test_convert import save_wide_llama
 from tiny_models import save_checkpoint
 
@@ -129,3 +130,22 @@ def test_user_mistakes_exit_1_without_traceback(tmp_path, args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert os.path.exists(tmp_path / "src" / "config.json")
+
+
+def test_a_second_convert_into_the_same_store_is_refused_while_the_first_runs(tmp_path, pristine):
+    """The second run died with a long FileNotFoundError traceback (the first one's temp file, removed), or
+    removed the first one's; a SIGKILLed run must not leave the store locked."""
+    shutil.copytree(pristine, tmp_path / "src")
+    first = subprocess.Popen([*CLI, "convert", "src", "store", "--no-progress"], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        stop_while_locked(first, tmp_path / "store")
+        second = run_cli("convert", "src", "store", "--no-progress", cwd=tmp_path)
+        assert second.returncode == 1 and len(second.stderr.strip().splitlines()) == 1, second.stderr
+        assert (f"another process is writing the store at store (pid {first.pid}: shardstream convert src store "
+                "--no-progress); wait for it to finish (or stop it), then run this command again.") in second.stderr
+    finally:
+        first.kill()   # SIGKILL, stopped as it is: the kernel drops its lock
+        first.wait()
+    run_cli("convert", "src", "store", "--no-progress", cwd=tmp_path, check=True)
+    assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")

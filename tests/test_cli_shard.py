@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+
 import torch
 
 from shardstream.convert import convert
 from shardstream.store import open_store
 
 from http_server import serve_directory
-from test_cli_convert import run_cli
+from store_lock_holder import stop_while_locked
+from test_cli_convert import CLI, run_cli
 from tiny_models import save_checkpoint
 
 
@@ -107,3 +111,40 @@ def test_experts_on_a_dense_model_is_one_sentence_and_exit_1(tmp_path):
     assert "holds no mixture-of-experts experts to place (model_type 'llama'" in result.stderr
     assert "leave out --experts" in result.stderr and "experts placed" not in result.stdout
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "store").rglob("*")) == before
+
+
+def test_a_second_shard_of_the_same_store_is_refused_while_the_first_runs(tmp_path):
+    """The second `shard --experts` claimed mid/0/weights.safetensors was missing (the first had replaced
+    it) and told the user to re-run convert on an intact store."""
+    save_checkpoint("mixtral", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    first = subprocess.Popen([*CLI, "shard", "store", "--experts"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stop_while_locked(first, tmp_path / "store")
+        second = run_cli("shard", "store", "--experts", cwd=tmp_path)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=300) == 0 and "experts placed" in first.stdout.read()
+    assert second.returncode == 1 and "missing" not in second.stderr, second.stderr
+    assert (f"another process is writing the store at store (pid {first.pid}: shardstream shard store --experts); "
+            "wait for it to finish (or stop it), then run this command again.") in second.stderr
+    assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
+    assert "experts placed" in run_cli("shard", "store", "--experts", cwd=tmp_path, check=True).stdout
+
+
+def test_relocate_names_a_layer_or_expert_the_store_lacks(tmp_path):
+    """`relocate --expert 12:7` on a 3-layer store said to run `shard --experts` first."""
+    save_checkpoint("mixtral", tmp_path / "src")   # 3 layers of 4 experts
+    convert(tmp_path / "src", tmp_path / "store", progress=False)
+    save_checkpoint("llama", tmp_path / "dense-src")
+    convert(tmp_path / "dense-src", tmp_path / "dense", progress=False)
+    for store, expert, words in (
+            ("store", "12:7", "the store at store has 3 layers (0 to 2), so no layer 12; name one of them."),
+            ("store", "1:7", "the store at store has 4 experts a layer (0 to 3), so no expert 7; name one of them."),
+            ("dense", "1:1", "the store at dense holds no mixture-of-experts experts (model_type 'llama'); move "
+                             "whole parts with --part instead."),
+            ("store", "1:2", "places no expert 1:2; run `shardstream shard store --experts` first.")):
+        result = run_cli("relocate", store, "--expert", expert, "--tier", "cold", cwd=tmp_path)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert words in " ".join(result.stderr.split()), result.stderr

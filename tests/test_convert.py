@@ -219,8 +219,7 @@ def test_full_disk_aborts_before_filling(tmp_path):
         with serve_directory(src) as (url, _):
             with pytest.raises(DiskSpaceError, match=r"free but converting the 10 shards left needs about \d\.\d MB"):
                 convert(url, small / "store", sequential_shard_processing=True, progress=False)
-        assert not [p for p in (small / "store").rglob("*") if p.is_file() and p.name != "manifest.json"]
-        shutil.copytree(small / "store", tmp_path / "moved")
+        assert not (small / "store").exists(), "the refused conversion leaves no output folder behind"
     finally:
         os.system(f"umount {small}")
     with serve_directory(src) as (url, _):   # on a bigger disk, the same command does the job
@@ -338,10 +337,11 @@ def test_shard_cut_after_its_check_fails_with_one_sentence(tmp_path):
     from shardstream.convert import _spans
     from shardstream.safetensors_header import read_header
     from shardstream.store.partfile import encode_part
+    from shardstream.store.span import SourceFile
 
     shard = tmp_path / "model.safetensors"
     save_file({"a": torch.ones(64, 64), "b": torch.arange(8.0)}, shard)
-    spans = {s.name: s for s in _spans(shard, read_header(shard), ["a", "b"])}
+    spans = {s.name: s for s in _spans(SourceFile(shard), read_header(shard), ["a", "b"])}
     streamed = load(b"".join(bytes(piece) for piece in encode_part(spans, None).stream(xxhash.xxh3_128())))
     assert torch.equal(streamed["a"], torch.ones(64, 64)) and torch.equal(streamed["b"], torch.arange(8.0))
     with open(shard, "r+b") as handle:

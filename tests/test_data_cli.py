@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -180,3 +181,31 @@ def test_two_workers_with_steps_a_multiple_of_a_chunk_finish_whole_chunks_and_th
         result = run_cli(*args)
         assert result.returncode == 0, result.stderr
         assert f"epoch 0: {done}/4 chunks done" in result.stdout
+
+
+def test_two_workers_loading_a_checkpoint_draw_no_loading_bar(tmp_path, tiny_model):
+    """Each worker drew transformers' weight-loading bar, ending in a carriage return, so the run's last line
+    ("trained N steps") was printed over a bar."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_model, checkpoint)
+    load_model(str(tiny_model), 0).save_pretrained(checkpoint)
+    result = run_cli(*_train_args(tmp_path, checkpoint, 20, "--dataset-chunk-size", "10", "--workers", "2"))
+    assert result.returncode == 0, result.stderr
+    assert "Loading weights" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("trained ")
+
+
+def test_an_unreachable_hub_dataset_is_one_line_at_once(tmp_path, tiny_model):
+    """datasets' retries printed their raw errors for tens of seconds before the clean message."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # nothing listens there once the socket is closed
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    started = time.monotonic()
+    result = run_cli("train", "--model", tiny_model, "--dataset-file", "hf://someone/unreachable-set",
+                     "--output", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env)
+    assert result.returncode == 1 and time.monotonic() - started < 60
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: could not reach the Hub at http://127.0.0.1:{port} for dataset "
+                               "hf://someone/unreachable-set (")

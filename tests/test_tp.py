@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.shard import export_tp, load_index, place_experts
+from shardstream.sizes import format_size
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
 from shardstream.stream import AutoModel, StreamingModel
@@ -465,3 +466,24 @@ def test_tp_cache_without_tensor_parallel_is_one_sentence(tmp_path):
                            "--tp-cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "--tp-cache goes with --tensor-parallel; leave it out." in " ".join(done.stderr.split())
+
+
+def test_the_first_run_says_where_it_writes_the_rank_folders(tmp_path):
+    """The first run wrote the ranks' shares into the store without a word (hundreds of MB for a real model)."""
+    root, _ = _store(tmp_path, "llama")
+    command = ("-m", "shardstream", "generate", str(root), "--tensor-parallel", "--prompt", "Hi", "--max-new-tokens", "2",
+               "--no-progress")
+    first = _launch(*command)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for rank in (0, 1):
+        folder = root / "tp" / f"rank_{rank}_of_2"
+        assert (f"rank {rank} of 2 is writing its share of the store (about {format_size(_store_bytes(root) // 2)}, "
+                f"once: later runs read it) to {folder}; pass --tp-cache DIR (tp_cache= in Python) to keep it "
+                "elsewhere") in " ".join(first.stderr.split())
+        assert folder.is_dir()
+    again = _launch(*command)
+    assert again.returncode == 0 and "is writing its share" not in again.stderr, again.stderr[-3000:]
+
+
+def _store_bytes(root: Path) -> int:
+    return sum(f.size for f in open_store(root).manifest.files.values())

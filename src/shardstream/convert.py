@@ -14,6 +14,8 @@ import shutil
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import psutil
 from tqdm.auto import tqdm
 
 from .config_check import check_config
-from .convert_disk import check_disk
+from .convert_disk import check_disk, compression_ratio, disk_room
 from .convert_writes import PartProfile, WritePipeline
 from .errors import CorruptShard, InvalidOption, SourceNotFound
 from .naming import TensorRouter, router_for
@@ -30,6 +32,7 @@ from .sources import CheckpointSource, LocalSource, open_source
 from .sources.base import same_source
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME, Manifest, StoreWriter, load_manifest
+from .store.lock import LOCK_NAME, store_lock
 from .store.problems import shards_gone
 from .atomic import TEMP_PREFIX, write_json_atomic
 from .store.dtypes import TORCH_DTYPES
@@ -140,24 +143,24 @@ def convert(
     if isinstance(src, LocalSource):
         src.check_all()
     where, fingerprint = src.identity()
-    _refuse_other_contents(out, where, fingerprint)
     fresh = Manifest(
         source=where, source_fingerprint=fingerprint, config=config, family=plan.router.family,
         compression=compression, expected_parts=plan.expected_parts,
     )
-    _make_folder(out)
-    writer = StoreWriter.open(out, fresh)
-    job = _Job(src, plan, writer, sequential_shard_processing,
-               layer_memory_warning or _default_layer_warning(), progress)
-    _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
-    check_disk(src, out, compression, job.shards_to_read(), sequential_shard_processing, min_free_space)
-    writer.begin()   # from now on the folder is recognisably an (unfinished) store
-    src.copy_metadata(out)
-    job.run()
-    if plan.tied:
-        head, embed, part = plan.tied
-        writer.add_alias(head, embed, part)
-    writer.finish()
+    _refuse_other_contents(out, where, fingerprint)   # before the lock file: a folder not ours is left as it is
+    with _locked_output(out):
+        writer = StoreWriter.open(out, fresh)
+        job = _Job(src, plan, writer, sequential_shard_processing,
+                   layer_memory_warning or _default_layer_warning(), progress)
+        _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
+        check_disk(src, out, compression, job.shards_to_read(), sequential_shard_processing, min_free_space)
+        writer.begin()   # from now on the folder is recognisably an (unfinished) store
+        src.copy_metadata(out)
+        job.run()
+        if plan.tied:
+            head, embed, part = plan.tied
+            writer.add_alias(head, embed, part)
+        writer.finish()
     if delete_original:
         for shard in src.shard_names():
             src.release(shard, delete=True)
@@ -189,7 +192,7 @@ def _refuse_other_contents(out: Path, where: str, fingerprint: dict) -> None:
     if not out.is_dir():
         return
     if not (out / MANIFEST_NAME).is_file():
-        if any(p.name != STAGING_DIR and not p.name.startswith(TEMP_PREFIX) for p in out.iterdir()):
+        if any(p.name not in (STAGING_DIR, LOCK_NAME) and not p.name.startswith(TEMP_PREFIX) for p in out.iterdir()):
             raise InvalidOption(
                 f"{out} is not empty and is not a shardstream store; give a new or empty folder for the store."
             )
@@ -228,11 +231,23 @@ def check_same_source(store: Path, where: str, fingerprint: dict) -> None:
         )
 
 
-def _make_folder(out: Path) -> None:
+@contextmanager
+def _locked_output(out: Path) -> Iterator[None]:
+    """The output folder, made if missing, with its lock held (store/lock.py: one writer at a time). One
+    this call made is removed again when the conversion stops before it began the store (refused for lack
+    of disk space, say), so a refusal leaves nothing behind."""
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InvalidOption(f"cannot create {out} ({exc.strerror}); give a folder you can write to.") from None
+    with store_lock(out):
+        try:
+            yield
+        except BaseException:
+            if made and not (out / MANIFEST_NAME).exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 def _default_layer_warning() -> int:
@@ -259,6 +274,7 @@ class _Job:
         self.completed = set(writer.manifest.parts)      # likewise, for whole parts
         self.pieced = {r.part for r in writer.manifest.tensors.values()}
         self.warned_parts: set[str] = set()
+        self.opened: dict[str, SourceFile] = {}   # sequential: shard -> its open file, until it is deleted
         self.skipped = sorted(writer.manifest.parts)
         self.writes = WritePipeline(writer, plan.expert_of, plan.weight_map)
         self.profile = self.writes.profile
@@ -277,10 +293,10 @@ class _Job:
         with tqdm(total=len(todo), unit="shard", disable=None if self.progress else True, desc="convert") as bar:
             if not self.sequential:
                 fetched = {s: self._fetch(s) for s in todo}
-            for shard in todo:
+            for i, shard in enumerate(todo):
                 index = shards.index(shard)   # piece files are named by it: the same after a resume
                 if self.sequential:
-                    self._check_disk(todo[todo.index(shard):])
+                    self._check_disk(todo[i:], todo[i - 1] if i else None)
                 path, wait = fetched[shard] if not self.sequential else self._fetch(shard)
                 self._process(shard, path, wait, index, last=shard == todo[-1])
                 if self.sequential:
@@ -297,6 +313,9 @@ class _Job:
         return [s for s in self.src.shard_names() if self._wanted(s)]
 
     def _delete(self, shard: str) -> None:
+        """Runs once every write from the shard is durable: closed at once, its space is free when the
+        next shard's room is counted (a writer thread may still hold a span of it for a moment)."""
+        self.opened.pop(shard).close()
         self.src.release(shard, delete=True)
 
     def _wanted(self, shard: str) -> list[str]:
@@ -304,10 +323,18 @@ class _Job:
         return [n for n in self.plan.shard_tensors.get(shard, ())
                 if n not in self.stored and self.plan.part_of[n] not in self.completed]
 
-    def _check_disk(self, todo: list[str]) -> None:
+    def _check_disk(self, todo: list[str], previous: str | None) -> None:
         """Before each shard of a sequential run: the rest must still fit (convert() checked it all
-        before the first; this catches what else fills the disk meanwhile)."""
-        check_disk(self.src, self.writer.root, self.writer.manifest.compression, todo, sequential=True)
+        before the first; this catches what else fills the disk meanwhile). The shards converted before
+        are deleted on the release thread once their output is written, the `previous` one's maybe not
+        yet; where the room left does not hold its output beside the next shard's (a source on the same
+        disk, with room for one shard's output), this waits for their deletion first."""
+        compression = self.writer.manifest.compression
+        free, needed = disk_room(self.src, self.writer.root, compression, todo, sequential=True)
+        unwritten = int((self.src.shard_size(previous) or 0) * compression_ratio(compression)) if previous else 0
+        if free < needed + unwritten:
+            self.writes.wait_for_releases()
+        check_disk(self.src, self.writer.root, compression, todo, sequential=True)
 
     def _fetch(self, shard: str) -> tuple[Path, float]:
         started = time.perf_counter()
@@ -323,7 +350,10 @@ class _Job:
             ) from None
         wanted = self._wanted(shard)
         touched: list[str] = []
-        for span in _spans(path, header, wanted):
+        source = SourceFile(path)
+        if self.sequential:
+            self.opened[shard] = source
+        for span in _spans(source, header, wanted):
             part = self.plan.part_of[span.name]
             self.buffer[part][span.name] = span
             if part not in touched:
@@ -377,10 +407,9 @@ class _Job:
             )
 
 
-def _spans(path: Path, header: Header, names: list[str]) -> list[FileSpan]:
+def _spans(source: SourceFile, header: Header, names: list[str]) -> list[FileSpan]:
     """The named tensors as spans of the shard, in file order: nothing is read here, the writer
     threads stream each part's bytes straight from the shard (checked complete by its header)."""
-    source = SourceFile(path)
     entries = sorted((header.tensors[n] for n in names), key=lambda e: e.begin)
     return [FileSpan(source, e.name, header.data_start + e.begin, e.nbytes, TORCH_DTYPES[e.dtype], tuple(e.shape))
             for e in entries]

@@ -4,7 +4,8 @@ The check counts everything still to be written (the output of every shard not y
 downloads a remote source stages, the manifest), not just the next shard: a store that cannot be
 finished is refused before it takes the disk. A sequential run from a local folder on the same
 disk is the exception: each shard it deletes frees more than it turns into, so only the next
-shard's output must fit.
+shard's output must fit (once the shards converted before it are deleted: convert.py waits for that
+where the room is not there yet).
 """
 
 from __future__ import annotations
@@ -29,18 +30,7 @@ def check_disk(src: CheckpointSource, root: Path, compression: str | None, todo:
     warn when that would leave less than `min_free_space` (checked once, before the first shard)."""
     if not todo:
         return
-    free = shutil.disk_usage(root).free
-    sizes = [src.shard_size(s) or 0 for s in todo]
-    ratio = compression_ratio(compression)
-    manifest = root / MANIFEST_NAME
-    overhead = 2 * (manifest.stat().st_size if manifest.exists() else 0) + SLACK   # manifest rewritten beside itself
-    output = int(sum(sizes) * ratio)
-    downloads = 0
-    if isinstance(src, RemoteSource):
-        downloads = max(sizes) if sequential else sum(sizes)   # one staged shard at a time, or all first
-    elif sequential and isinstance(src, LocalSource) and _same_disk(src.root, root):
-        output = int(sizes[0] * ratio)   # the shards deleted on the way free the room for the rest
-    needed = output + downloads + overhead
+    free, needed = disk_room(src, root, compression, todo, sequential)
     if free < needed:
         raise DiskSpaceError(
             f"{root} has {format_size(free)} free but converting the {len(todo)} shard{'s' if len(todo) > 1 else ''} "
@@ -53,6 +43,23 @@ def check_disk(src: CheckpointSource, root: Path, compression: str | None, todo:
             f"which leaves less than --min-free-space ({format_size(min_free_space)}).",
             stacklevel=2,
         )
+
+
+def disk_room(src: CheckpointSource, root: Path, compression: str | None, todo: list[str],
+              sequential: bool) -> tuple[int, int]:
+    """(bytes free on the disk of `root`, bytes converting the shards in `todo` still needs there)."""
+    free = shutil.disk_usage(root).free
+    sizes = [src.shard_size(s) or 0 for s in todo]
+    ratio = compression_ratio(compression)
+    manifest = root / MANIFEST_NAME
+    overhead = 2 * (manifest.stat().st_size if manifest.exists() else 0) + SLACK   # manifest rewritten beside itself
+    output = int(sum(sizes) * ratio)
+    downloads = 0
+    if isinstance(src, RemoteSource):
+        downloads = max(sizes) if sequential else sum(sizes)   # one staged shard at a time, or all first
+    elif sequential and isinstance(src, LocalSource) and _same_disk(src.root, root):
+        output = int(sizes[0] * ratio)   # the shards deleted on the way free the room for the rest
+    return free, output + downloads + overhead
 
 
 def _same_disk(a: Path, b: Path) -> bool:

@@ -61,8 +61,7 @@ class WritePipeline:
     def __exit__(self, exc_type, exc, tb) -> None:
         with self._stack:
             if exc_type is None:
-                for release in self.releases:
-                    release.result()
+                self.wait_for_releases()
 
     def submit(self, part: str, tensors: dict[str, torch.Tensor | FileSpan], piece: int | None, complete: bool) -> None:
         if complete:
@@ -88,6 +87,11 @@ class WritePipeline:
             self._release(shard, [], release)
         else:
             self.releases.append(self.releaser.submit(self._release, shard, writes, release))
+
+    def wait_for_releases(self) -> None:
+        """Until every shard handed to `release_when_written` so far is released (deleted)."""
+        for release in self.releases:
+            release.result()
 
     def drain(self) -> None:
         while self.pending:

@@ -114,3 +114,7 @@ class GroupLost(ShardstreamError, ConnectionError):
 class InsufficientMemory(ShardstreamError, MemoryError):
     """The memory this process may use cannot hold what streaming needs at once (one piece of a block), so
     the kernel would kill it in the middle of a pass."""
+
+
+class StoreBusy(ShardstreamError, BlockingIOError):
+    """Another process is writing the store (converting, sharding or relocating into it) right now."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from shardstream.errors import InvalidOption
 
@@ -27,9 +30,22 @@ def load_model(model_path: str, seed: int) -> PreTrainedModel:
     """Weights when the folder has them, else a random init that is the same for every worker (same seed)."""
     path = check_model_folder(model_path)
     if has_weights(path):
-        return AutoModelForCausalLM.from_pretrained(path)
+        with _no_progress_bar():   # one bar per worker, drawn over each other and over the run's own lines
+            return AutoModelForCausalLM.from_pretrained(path)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' progress bars off (its weight-loading bar), as they were after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None) -> PreTrainedTokenizerBase:

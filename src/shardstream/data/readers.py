@@ -96,6 +96,10 @@ _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".csv": _read_csv, ".parqu
 def _read_hub(hub: HubSource, text_field: str) -> Iterator[str]:
     import datasets
 
+    from shardstream.sources.hub import check_hub_reachable
+
+    if not Path(hub.name).exists():   # a local dataset folder needs no Hub
+        check_hub_reachable(f"dataset hf://{hub.name}")
     try:
         stream = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=True)
     except Exception as e:  # datasets raises many unrelated types for "not found"/"no network"

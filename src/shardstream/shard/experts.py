@@ -28,6 +28,7 @@ from ..naming import Part
 from ..atomic import discard_temp_files
 from ..store.manifest import FileRecord, PartRecord, TensorRecord
 from ..store.partfile import encode_stored
+from ..store.lock import editing
 from ..store.reader import Store
 from ..store.sharding import Expert, ExpertRecord, ShardIndex, expert_record, load_index, tier_root
 from ..store.writer import write_encoded
@@ -49,6 +50,7 @@ def expert_file(tier: str, group: int, expert: int) -> str:
     return f"experts/tier_{tier}/group_{group}/expert_{expert}.safetensors"
 
 
+@editing
 def place_experts(store: Store, tiers: dict[str, str], placement: dict[tuple[int, int], str] | None = None) -> dict[str, ExpertRecord]:
     """Store every expert apart on its tier (`placement[(layer, expert)]`, else where it already
     is, else the first tier), then drop the experts from their blocks' parts; re-running finishes
@@ -147,11 +149,29 @@ def _drop_experts_from_part(store: Store, layer: int, buffers: _FileBuffers) -> 
     discard_temp_files(folder)
 
 
+def _check_expert_key(store: Store, index: ShardIndex, layer: int, expert: int) -> None:
+    """`--expert L:E` names a layer and an expert the store has (placed or not yet)."""
+    layers = store.num_layers
+    if not 0 <= layer < layers:
+        raise InvalidOption(f"--expert {layer}:{expert}: the store at {store.root} has {layers} layers (0 to "
+                            f"{layers - 1}), so no layer {layer}; name one of them.")
+    experts = ({r.expert for r in store.manifest.tensors.values() if r.expert is not None}
+               | {r.expert for r in index.experts.values()})
+    if not experts:
+        raise InvalidOption(f"--expert {layer}:{expert}: the store at {store.root} holds no mixture-of-experts experts "
+                            f"(model_type {store.config.get('model_type')!r}); move whole parts with --part instead.")
+    if expert not in experts:
+        raise InvalidOption(f"--expert {layer}:{expert}: the store at {store.root} has {len(experts)} experts a layer "
+                            f"(0 to {max(experts)}), so no expert {expert}; name one of them.")
+
+
+@editing
 def relocate(store: Store, layer: int, expert: int, tier: str, on_step: Callable[[str], None] = lambda step: None) -> ExpertRecord:
     """Move one expert to `tier`: copy, verify, switch the index, remove the old copy.
 
     `on_step(name)` is called after each of RELOCATION_STEPS (progress, and the crash tests)."""
     index = load_index(store, for_update=True)
+    _check_expert_key(store, index, layer, expert)
     record = expert_record(store, index, layer, expert)
     check_tier(store, index, tier)
     if record.tier != tier:

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..atomic import discard_temp_files
+from ..store.lock import editing
 from ..store.reader import Store
 from ..store.sharding import load_index, tier_root
 from .tiers import check_tier, copy_verified
 
 
+@editing
 def relocate_part(store: Store, part: str, tier: str, on_step: Callable[[str], None] = lambda step: None) -> str:
     """Move every file of `part` to `tier` (see module doc); returns the tier it is on."""
     files = store.part_files(part)

@@ -21,6 +21,7 @@ import torch
 from ..errors import InvalidOption, UnsupportedModel
 from ..store.manifest import FileRecord
 from ..store.partfile import encode_part
+from ..store.lock import editing
 from ..store.reader import Store
 from ..store.writer import write_encoded
 from ..store.sharding import SliceRecord, load_index
@@ -63,6 +64,7 @@ def slice_tensor(tensor: torch.Tensor, dim: int | None, rank: int, size: int, na
     return tensor.chunk(size, dim)[rank]
 
 
+@editing
 def export_tp(store: Store, size: int) -> list[SliceRecord]:
     """Write every part's slices for `size` ranks (experts excluded: they are placed, not sliced)."""
     if size < 1:

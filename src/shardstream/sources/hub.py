@@ -37,6 +37,23 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 PROBE_SECONDS = 5.0
 
 
+
+def check_hub_reachable(what: str) -> None:
+    """Fail at once, with one line, when offline mode is on or the Hub's port does not answer,
+    instead of huggingface_hub's retries (tens of seconds of repeated warnings); `what` is being fetched."""
+    endpoint = urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError("HF_HUB_OFFLINE is set")
+        socket.create_connection((endpoint.hostname, port), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        raise SourceUnreachable(
+            f"could not reach the Hub at {constants.ENDPOINT} for {what} ({exc}); "
+            "check your connection (and HF_ENDPOINT, HF_HUB_OFFLINE), then run again."
+        ) from None
+
+
 class _QuietBar(tqdm):
     """huggingface_hub builds its download bars from this class; it stays hidden."""
 
@@ -121,21 +138,8 @@ class HubSource(RemoteSource):
         return get_hf_file_metadata(url, token=self.token)
 
     def _probe(self, name: str) -> None:
-        """Fail at once, with one line, when offline mode is on or the Hub's port does not answer,
-        instead of huggingface_hub's retries (tens of seconds of repeated warnings)."""
-        if self._probed:
-            return
-        endpoint = urlsplit(constants.ENDPOINT)
-        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-        try:
-            if constants.HF_HUB_OFFLINE:
-                raise OSError("HF_HUB_OFFLINE is set")
-            socket.create_connection((endpoint.hostname, port), timeout=PROBE_SECONDS).close()
-        except OSError as exc:
-            raise SourceUnreachable(
-                f"could not reach the Hub at {constants.ENDPOINT} for {name} of {self.repo_id} ({exc}); "
-                "check your connection (and HF_ENDPOINT, HF_HUB_OFFLINE), then run again."
-            ) from None
+        if not self._probed:
+            check_hub_reachable(f"{name} of {self.repo_id}")
         self._probed = True
 
     @contextmanager

@@ -40,9 +40,16 @@ def repair(manifest: Manifest, files: Iterable[str]) -> str:
     if manifest.source.startswith(REMOTE_SOURCES):
         return REPAIR   # downloaded again by the re-run
     recorded = (manifest.source_fingerprint or {}).get("shards", {})
-    wanted = {s for f in files for s in manifest.source_shards.get(f, ())}
-    gone = sorted(s for s in wanted or recorded if not (Path(manifest.source) / s).is_file())
+    wanted = {s for f in files for s in manifest.source_shards.get(f, ())} or _not_converted(manifest, recorded)
+    gone = sorted(s for s in wanted if not (Path(manifest.source) / s).is_file())
     return shards_gone(manifest.source, gone, recorded) if gone else REPAIR
+
+
+def _not_converted(manifest: Manifest, recorded: dict[str, list[int]]) -> set[str]:
+    """The source shards no written file came from: what an unfinished conversion still has to read (a
+    --sequential one deleted the others once their parts were written)."""
+    used = {s for shards in manifest.source_shards.values() for s in shards}
+    return set(recorded) - used
 
 
 def shards_gone(source: str, gone: list[str], recorded: dict[str, list[int]]) -> str:

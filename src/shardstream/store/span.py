@@ -21,7 +21,7 @@ class SourceFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self.fd)
+        self.close = weakref.finalize(self, os.close, self.fd)   # or at once, by whoever knows it is done with
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 

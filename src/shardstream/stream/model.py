@@ -29,6 +29,7 @@ from .blocks import StreamedBlocks, fill_block
 from .compute_dtype import parse_compute_dtype
 from .direct import block_reading
 from .ends import Ends
+from .habits import TransformersHabits
 from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
@@ -38,6 +39,7 @@ from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
 from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
+from .shapes import check_stored_shapes
 from .weights import Slots, WeightMapper
 
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
@@ -61,7 +63,7 @@ def _check_files(store: Store) -> None:
             )
 
 
-class StreamingModel(WrapsModel):
+class StreamingModel(TransformersHabits, WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
     longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
@@ -86,6 +88,7 @@ class StreamingModel(WrapsModel):
         parse_compute_dtype(compute_dtype)
         _check_files(store)
         self.store = store
+        self.closed = False
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -97,6 +100,7 @@ class StreamingModel(WrapsModel):
             shape_model(self.model)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
+        check_stored_shapes(store, self.model, mapper)
         self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
         self._loader = (ExpertlessLoader(store, mapper, self.device, verify_checksums, self.experts.checkpoint_names)
                         if self.experts else BlockLoader(store, mapper, self.device, verify_checksums))
@@ -317,6 +321,7 @@ class StreamingModel(WrapsModel):
 
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass (transformers' semantics: `.logits`, `past_key_values` ...)."""
+        self.check_open()
         self.check_length(input_ids, 0)
         with torch.no_grad(), self._profiled(), attention_kernels(self.device):
             return self.model(input_ids=input_ids, **kwargs)
@@ -327,6 +332,7 @@ class StreamingModel(WrapsModel):
         `assistant_model` (a StreamingModel or any transformers model) turns on transformers' assisted
         generation: the draft proposes tokens and one pass over the streamed blocks verifies them all.
         """
+        self.check_open()
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self.check_length(input_ids, new_tokens)
         if input_ids is not None and kwargs.get("use_cache", True) and "prefill_chunk_size" not in kwargs:
@@ -394,6 +400,7 @@ class StreamingModel(WrapsModel):
 
     def close(self) -> None:
         """Stop the prefetch thread, drop the hooks, unpin the read buffers."""
+        self.closed = True
         for hook in self._hooks + self._ends_hooks:
             hook.remove()
         self._hooks.clear()

@@ -19,7 +19,8 @@ from pathlib import Path
 from ..convert import check_same_source, convert
 from ..errors import InvalidOption, StoreIncomplete
 from ..sources import HUB_ID, LocalSource
-from ..store import MANIFEST_NAME, Store, load_manifest, open_store
+from ..store import MANIFEST_NAME, Manifest, Store, load_manifest, open_store
+from ..tp.rankstore import rank_share
 
 CACHE_ENV = "SHARDSTREAM_CACHE"
 log = logging.getLogger("shardstream.resolve")
@@ -59,6 +60,7 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
     if given_store:
         store_path = source
         manifest = load_manifest(Path(source))
+        _refuse_rank_share(source, manifest)
         source = manifest.source or source
         if convert_options.get("compression") is None:
             convert_options["compression"] = manifest.compression
@@ -76,6 +78,19 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
             raise
     convert(source, path, **convert_options)
     return open_store(path)
+
+
+def _refuse_rank_share(folder: str, manifest: Manifest) -> None:
+    """A tensor-parallel rank's share folder holds a part of each split weight, not a model to run."""
+    share = rank_share(manifest)
+    if share is not None:
+        rank, ranks = share
+        raise InvalidOption(
+            f"{folder} is rank {rank} of {ranks}'s share of the store at {manifest.source}, written by a "
+            f"tensor-parallel run (it holds 1/{ranks} of each split weight); give {manifest.source} instead, to "
+            f"run it whole or as {ranks} ranks (`torchrun --nproc-per-node {ranks} -m shardstream generate "
+            f"{manifest.source} --tensor-parallel`)."
+        )
 
 
 def _check_compression(path: Path, wanted: str | None) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import InvalidOption
 from ..store.reader import Store
+from ..stream.habits import TransformersHabits
 from ..stream.meta import WrapsModel, build_meta_model
 from ..stream.model import StreamingModel
 from ..stream.residency import resolve_budget
@@ -35,7 +36,7 @@ from .layout import FUSED_QKV, Heads, Take
 from .rankstore import exported_view, rank_folder, rank_layout
 
 
-class TensorParallelModel(WrapsModel):
+class TensorParallelModel(TransformersHabits, WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`), on every rank.
 
     `max_resident_memory`, `max_host_memory`, `prefetching`, `prefetch_depth`, `piece_bytes`,
@@ -85,15 +86,21 @@ class TensorParallelModel(WrapsModel):
     def resident_blocks(self) -> list[int]:
         return self._streaming.resident_blocks
 
+    @property
+    def closed(self) -> bool:
+        return self._streaming.closed
+
     # -- the transformers surface ------------------------------------------------------------
 
     def __call__(self, input_ids: torch.Tensor | None = None, **kwargs):
         """One forward pass on every rank; rank 0's `input_ids` (and attention mask) are used."""
+        self.check_open()
         input_ids, kwargs = self._from_rank_0(input_ids, kwargs)
         return self._streaming(input_ids, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """transformers' `generate` on every rank; rank 0's inputs and random state (sampling) are used."""
+        self.check_open()
         input_ids, kwargs = self._from_rank_0(input_ids, kwargs, random_state=True)
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self._streaming.check_length(input_ids, new_tokens)

@@ -17,6 +17,7 @@ giving the share's shape (quantized shares as codes, see reading.py). Two source
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..atomic import copy_file_atomic
 from ..errors import InvalidOption, StoreIncomplete
+from ..sizes import format_size
 from ..store.manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from ..store.partfile import EncodedPart, encode_stored
 from ..store.reader import Store
@@ -35,6 +37,7 @@ from .experts import RankExperts
 from .layout import Heads, Take, is_exported_block, rank_heads, take, tp_roles
 from .reading import ShareReader, full_shape
 
+log = logging.getLogger("shardstream.tp")
 LAYOUT_VERSION = 1   # of a rank folder's files; a folder written by another layout is written again
 
 
@@ -97,6 +100,9 @@ def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerpr
     manifest = _resumable(folder, origin)
     if manifest is not None and manifest.complete:
         return Store(folder, manifest), 0
+    log.warning("rank %d of %d is writing its share of the store (about %s, once: later runs read it) to %s; "
+                "pass --tp-cache DIR (tp_cache= in Python) to keep it elsewhere, and delete it to take the space back.",
+                rank, size, format_size(sum(f.size for f in store.manifest.files.values()) // size), folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -125,6 +131,12 @@ def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerpr
     manifest.complete = True
     manifest.save(folder)
     return Store(folder, manifest), reader.bytes_read
+
+
+def rank_share(manifest: Manifest) -> tuple[int, int] | None:
+    """(rank, ranks) when `manifest` is a rank folder's (its origin names them), else None."""
+    origin = manifest.source_fingerprint or {}
+    return (origin["rank"], origin["size"]) if {"store", "rank", "size"} <= origin.keys() else None
 
 
 def _resumable(folder: Path, origin: dict) -> Manifest | None:
