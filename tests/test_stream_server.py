@@ -291,6 +291,10 @@ def test_a_disconnected_client_frees_the_server(server):
         started = time.monotonic()
         assert http.post("/v1/completions", json=small).status_code == 200
         assert time.monotonic() - started < whole / 2, (stream, whole)
+    # the streamed one is logged too (it was not: its last event is never sent), with what it generated
+    disconnected = [line for line in served.log.read_text().splitlines() if line.endswith("(client disconnected)")]
+    assert len(disconnected) == 1 and disconnected[0].startswith("POST /v1/completions 200 "), disconnected
+    assert int(disconnected[0].split()[3]) >= len("x"), disconnected   # its prompt, and what it generated
 
 
 def test_concurrent_clients_get_their_own_answers(server):
@@ -422,4 +426,5 @@ def test_response_format_text_is_accepted(server):
     reply = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=3, temperature=0, response_format={"type": "text"})
     assert reply.choices[0].message.content == _greedy(reference, tokenizer, "user: Hi\nassistant:", 3)
+
 

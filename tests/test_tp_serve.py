@@ -239,6 +239,7 @@ def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_
     error = json.loads(events[-2])["error"]
     # rank 0 learns it from gloo (the connection to rank 1 closed), or first from torchrun's SIGTERM
     assert error["message"].startswith(("the tensor-parallel group failed", "this server is stopping (SIGTERM")), error
+    assert error["code"] == "tensor_parallel_unavailable" and error["type"] == "server_error"   # as the 503's
     assert whole["status"] == 503
     assert whole["body"]["error"]["code"] == "tensor_parallel_unavailable"
     assert "retry once /health answers 200" in whole["body"]["error"]["message"]

@@ -140,7 +140,6 @@ class _RankZero:
                                       pad_token_id=pad_id(tokenizer), max_batch_size=self.endpoint.max_batch_size,
                                       cache_ops=self.calls)
             app = self.endpoint.app(self.calls, tokenizer, self.engine)
-            app.add_exception_handler(GroupLost, _unavailable)
         except ShardstreamError as error:
             self.failure = error
         except Exception as error:  # noqa: BLE001 - a rank that failed while the group loaded
@@ -176,7 +175,3 @@ class _RankZero:
         except GroupLost:
             return
         self.model.close()
-
-
-async def _unavailable(request, error: GroupLost) -> JSONResponse:
-    return APIError(503, str(error), code="tensor_parallel_unavailable", kind="server_error").response()
