@@ -114,3 +114,8 @@ class GroupLost(ShardstreamError, ConnectionError):
 class InsufficientMemory(ShardstreamError, MemoryError):
     """The memory this process may use cannot hold what streaming needs at once (one piece of a block), so
     the kernel would kill it in the middle of a pass."""
+
+
+class ServerStopping(ShardstreamError, ConnectionError):
+    """`serve` was told to stop (Ctrl-C, SIGTERM) while a request was in flight: the request is answered with
+    this (a 503) rather than waited for."""

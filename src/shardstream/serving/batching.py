@@ -319,15 +319,19 @@ class BatchEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Finish (cancel) every sequence and stop the thread."""
+    def close(self, wait_s: float | None = None) -> bool:
+        """Finish (cancel) every sequence and stop the thread; False where the step in progress did not end
+        within `wait_s` seconds (the thread is left to it: the caller may exit without it)."""
         with self._condition:
             self._closed = True
             self._condition.notify()
-        self._thread.join()
+        self._thread.join(wait_s)
+        if self._thread.is_alive():
+            return False
         cancel_all([*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])])
         self._waiting.clear()
         self._running, self._prefill, self._cache, self._mask = [], None, None, None
+        return True
 
     def abort(self, error: BaseException) -> None:
         """Fail every sequence held (their iterators raise `error`) and refuse new ones with it, from any

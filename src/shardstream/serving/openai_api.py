@@ -19,12 +19,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import GroupLost, InsufficientMemory, PipelineUnavailable, ShardstreamError
+from ..errors import GroupLost, InsufficientMemory, PipelineUnavailable, ServerStopping, ShardstreamError
 
 HEALTH_PATH = "/health"
 # our errors that say the server cannot answer now (a 503, with this code), not that the request is wrong
 UNAVAILABLE = {GroupLost: "tensor_parallel_unavailable", PipelineUnavailable: "pipeline_unavailable",
-               InsufficientMemory: "insufficient_memory"}
+               InsufficientMemory: "insufficient_memory", ServerStopping: "server_stopping"}
 DEFAULT_MAX_REQUEST_BYTES = 8 * 10**6   # `serve --max-request-size`: a whole context of token ids is under 1 MB
 
 

@@ -1,23 +1,27 @@
 """`shardstream serve`: the OpenAI-compatible HTTP API over one streaming model, on the batch engine.
 
 The port is bound before the model loads, so a port in use is said at once, not after a long load.
+A signal (Ctrl-C, SIGTERM) stops it promptly: the requests in flight get a 503 (an error event when
+streamed), the step in progress gets STOP_S seconds to end, and a second signal ends it at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..errors import InvalidOption
+from ..errors import InvalidOption, ServerStopping
 from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, refuse_tp_cache
 from ..sizes import parse_size
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class, stop_on_signals
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
+STOP_S = 10.0          # how long a stop waits for the last replies, then for the engine's step in progress
 
 
 def serve_command(
@@ -96,11 +100,19 @@ def serve_command(
                              max_batch_size=max_batch_size)
         app = endpoint.app(model, tokenizer, engine)
         say(endpoint.listening(listener.getsockname()[1]))
-        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))
-        for number in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(number, lambda *_: setattr(server, "should_exit", True))
+        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning",
+                                               timeout_graceful_shutdown=STOP_S))
+
+        def stop(number: signal.Signals) -> None:
+            engine.abort(ServerStopping(f"this server is stopping ({number.name}); send the request again once it "
+                                        "is started again."))
+            server.should_exit = True
+
+        stop_on_signals(stop)
         try:
             server.run(sockets=[listener])
         finally:
-            engine.close()
+            if not engine.close(STOP_S):
+                say("shardstream serve: stopped, leaving the pass in progress unfinished")
+                os._exit(0)   # the engine's thread still uses the model: do not close it under the thread
             say("shardstream serve: stopped")
