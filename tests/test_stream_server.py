@@ -436,33 +436,43 @@ def endless(tmp_path_factory):
     return endless_llama_store(tmp_path_factory.mktemp("endless"), 4096)[0]
 
 
+def requests_in_flight_when(url: str, body: dict, interrupt, headers: dict | None = None) -> tuple[list[str], dict, float]:
+    """Sends `body` streamed and whole; once the streamed one decodes, `interrupt()`. Returns the streamed
+    reply's events after that, the whole reply (status, body) and the seconds until the streamed one ended."""
+    whole: dict = {}
+
+    def ask_whole() -> None:
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+        whole.update(status=reply.status_code, body=reply.json())
+
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as stream:
+        lines = stream.iter_lines()
+        for line in lines:   # until the first generated text: the request is decoding
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        asking = threading.Thread(target=ask_whole)
+        asking.start()
+        time.sleep(0.3)
+        interrupt()
+        interrupted = time.monotonic()
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        answered = time.monotonic() - interrupted
+    asking.join(120)
+    return events, whole, answered
+
+
 def test_a_signal_stops_serve_promptly_and_answers_the_requests_in_flight(endless, tmp_path):
     """Ctrl-C waited for every request in flight (78 s for two of 200 tokens of a 0.5B model). Now the
     requests get a 503 `server_stopping` (an error event when streamed) and the server stops at once."""
     served = Served(endless, tmp_path / "serve.log")
-    body = {"prompt": "Hello", "max_tokens": 4000, "temperature": 0}
-    whole: dict = {}
-
-    def ask_whole() -> None:
-        reply = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
-        whole.update(status=reply.status_code, body=reply.json())
-
     try:
-        with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as stream:
-            lines = stream.iter_lines()
-            for line in lines:   # until the first generated text: the request is decoding
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                    break
-            asking = threading.Thread(target=ask_whole)
-            asking.start()
-            time.sleep(0.5)
-            served.process.send_signal(signal.SIGINT)
-            signalled = time.monotonic()
-            events = [line[6:] for line in lines if line.startswith("data: ")]
-            answered = time.monotonic() - signalled
+        events, whole, answered = requests_in_flight_when(
+            served.url, {"prompt": "Hello", "max_tokens": 4000, "temperature": 0},
+            lambda: served.process.send_signal(signal.SIGINT))
+        started = time.monotonic()
         served.process.wait(timeout=60)
-        stopped = time.monotonic() - signalled
-        asking.join(60)
+        stopped = answered + time.monotonic() - started
     finally:
         served.process.kill()
     assert answered < 5 and stopped < 20, (answered, stopped)   # 4,000 tokens took a minute
