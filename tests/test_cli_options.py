@@ -85,3 +85,36 @@ def test_the_hub_token_is_hf_token_in_every_command_that_downloads(checkpoint, t
         shown = run_cli(command, "-h", cwd=tmp_path, check=True).stdout
         assert "--hf-token" in shown and "HF_TOKEN" in shown and "--token " not in shown, command
         assert "--revision" in shown and "--compression" in shown and "--sequential" in shown, command
+
+
+
+SIZE = "a size such as 500MB, 2GB or 2GiB, or auto"
+
+
+@pytest.mark.parametrize("command, option, value, refusal", [
+    ("serve", "--port", "70000", "a whole number from 0 to 65535, not 70000"),
+    ("serve", "--port", "-1", "a whole number from 0 to 65535, not -1"),
+    ("serve", "--max-batch-size", "0", "a whole number of at least 1, not 0"),
+    ("serve", "--max-request-size", "0", "a size above 0 such as 500MB, 2GB or 2GiB, not '0'"),
+    ("serve", "--max-resident-memory", "-1GB", f"{SIZE}, not '-1GB'"),
+    ("serve", "--max-host-memory", "inf", f"{SIZE}, not 'inf'"),
+    ("serve", "--tp-timeout", "nan", "a finite number above 0, not nan"),
+    ("generate", "--max-new-tokens", "0", "a whole number of at least 1, not 0"),
+    ("generate", "--temperature", "nan", "a finite number of at least 0, not nan"),
+    ("generate", "--temperature", "inf", "a finite number of at least 0, not inf"),
+    ("generate", "--top-p", "0", "a finite number above 0 and at most 1, not 0.0"),
+    ("generate", "--top-k", "-1", "a whole number of at least 0, not -1"),
+    ("generate", "--seed", str(2**64), f"a whole number from {-2**63} to {2**64 - 1}, not {2**64}"),
+    ("generate", "--draft-tokens", "0", "a whole number of at least 1, not 0"),
+    ("generate", "--batch-size", "0", "a whole number of at least 1, not 0"),
+    ("generate", "--max-resident-memory", "lots", f"{SIZE}, not 'lots'"),
+    ("generate", "--max-host-memory", "-5", f"{SIZE}, not '-5'"),
+])
+def test_a_numeric_option_out_of_range_is_refused_before_anything_loads(tmp_path, command, option, value, refusal):
+    """`--port 70000` was a 42-line OverflowError, `--temperature nan` a 54-line traceback and `inf` was
+    taken; `--max-batch-size 0` was refused once the model had loaded, naming `max_batch_size`. The store
+    here does not exist: a check made after opening it would say that instead."""
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    result = run_cli(command, str(tmp_path / "nowhere"), *prompt, option, value, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"error: {option} must be {refusal}. (see `shardstream {command} -h`)\n"

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shardstream.convert import convert
-from shardstream.errors import GroupLost, InvalidOption
+from shardstream.errors import GroupLost, InsufficientMemory, InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
 from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
@@ -228,6 +228,7 @@ def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
         unsent = [open_sequence(p, SamplingParams(max_new_tokens=2), 128, "cpu", lambda: None) for p in prompts]
         one_pass = engine._needs(unsent, engine.idle_prefill_tokens)[1]
         chunked = engine._needs(unsent, engine.prefill_chunk_tokens)[1]
+        alone = engine._needs(unsent[:1], engine.prefill_chunk_tokens, ahead=1)[1]   # counted while none runs
         assert chunked < one_pass
         engine._room = lambda: (chunked + one_pass) // 2   # the memory the machine has left, as measured
         passes = _prefill_passes(engine)
@@ -235,12 +236,41 @@ def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
         for sequence in group:
             assert len(_tokens(sequence)[0]) == 2
         assert passes[:20] == [(4, 2)] * 20
-        # one sequence alone fitting neither way is still admitted, in the chunks that need the least
-        alone = engine._needs(unsent[:1], engine.prefill_chunk_tokens)[1]
+        # one sequence alone fitting neither way is refused (it was run anyway, into the kernel's kill)
         engine._room = lambda: alone // 2
-        passes.clear()
+        with pytest.raises(InsufficientMemory, match="a prompt of 40 tokens needs .* left; send a shorter prompt"):
+            _tokens(engine.submit(prompts[0], SamplingParams(max_new_tokens=2)))
+        engine._room = lambda: alone   # the engine lives: one that fits is answered
         assert len(_tokens(engine.submit(prompts[0], SamplingParams(max_new_tokens=2)))[0]) == 2
-        assert passes[:5] == [(1, 8)] * 5
+
+
+def test_a_sequence_whose_tokens_ahead_do_not_fit_grows_its_cache_until_the_memory_ends_it(caplog):
+    """A request without max_tokens asks for the whole context. Alone, it is admitted with as few tokens
+    ahead as the memory left holds (here a fixed amount the engine is told), its reservation widens as its
+    tokens come while that memory holds it, and it ends with "length" where it holds no more; its tokens
+    are those it has alone, and the reservation never passed the memory."""
+    from shardstream.serving import kvcache
+
+    reference = tiny_model("llama")
+    prompt, asked = _prompt(5, 1), SamplingParams(max_new_tokens=50)
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0) as engine:
+        unsent = open_sequence(prompt, asked, 128, "cpu", lambda: None)
+        memory = engine._needs([unsent], engine.idle_prefill_tokens, ahead=20)[1]
+        engine._room = lambda: memory - kvcache.reserved_bytes(engine._cache)
+        reserved, forward = [], engine._forward
+
+        def recorded(*args):
+            logits = forward(*args)
+            reserved.append(kvcache.reserved_bytes(engine._cache))
+            return logits
+
+        engine._forward = recorded
+        with caplog.at_level(logging.WARNING, logger="shardstream.batching"):
+            tokens, finish = _tokens(engine.submit(prompt, asked))
+    assert finish == "length" and 20 < len(tokens) < 50, (finish, len(tokens))
+    assert tokens == _alone(reference, prompt, len(tokens))
+    assert len(set(reserved)) > 2 and max(reserved) <= memory
+    assert f'ended a sequence after {len(tokens)} tokens with finish_reason "length"' in caplog.text
 
 
 @pytest.mark.parametrize("options,bound", [(dict(max_batch_size=1), "max_batch_size=1"),

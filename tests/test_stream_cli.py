@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shardstream.errors import InvalidOption
 from shardstream.stream.generate_cli import generate_command
-from tiny_models import llama_store_with_tokenizer
+from test_data_cli import _default_sigint
+from tiny_models import endless_llama_store, llama_store_with_tokenizer
 
 PROMPT = "Hello, world"
 
@@ -139,3 +142,39 @@ def test_a_store_without_tokenizer_files_is_one_line_and_exit_1(tmp_path):
         f"error: the store at {tmp_path / 'store'} has no usable tokenizer files (none of tokenizer.json, "
         "vocab.json, vocab.txt, tokenizer.model, spiece.model); copy tokenizer.json and tokenizer_config.json "
         "from the checkpoint into it.")
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    return endless_llama_store(tmp_path_factory.mktemp("endless"), 4096)[0]
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("prompt", "interrupted."),
+    ("prompts-file", "interrupted; re-run the same command to continue where it stopped."),
+])
+def test_ctrl_c_on_generate_says_whether_running_it_again_continues(endless, tmp_path, mode, said):
+    """One prompt leaves nothing a rerun continues (it was told to re-run "to continue where it stopped");
+    an answers file keeps the answers written, and its rerun goes on from them."""
+    prompts, answers = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text('{"prompt": "Hi", "max_tokens": 1}\n{"prompt": "Hello"}\n')
+    given = ["--prompt", "Hello"] if mode == "prompt" else ["--prompts-file", str(prompts), "--output", str(answers),
+                                                           "--batch-size", "1"]
+    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    process = subprocess.Popen([shardstream, "generate", str(endless), *given, "--max-new-tokens", "4000",
+                                "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_default_sigint)
+    try:
+        if mode == "prompt":
+            assert process.stdout.read(1)   # its tokens are coming
+        else:
+            deadline = time.monotonic() + 120
+            while not (answers.exists() and answers.read_text()):   # the first answer is written
+                assert process.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == said

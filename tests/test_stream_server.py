@@ -4,9 +4,11 @@ httpx: the OpenAI surface (answered or refused by name), errors, API key, batchi
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from shardstream.serving.stops import StopFilter
-from tiny_models import llama_store_with_tokenizer
+from tiny_models import endless_llama_store, llama_store_with_tokenizer
 
 KEY = "test-key"
 PROMPT = "Hello, world"
@@ -291,6 +293,10 @@ def test_a_disconnected_client_frees_the_server(server):
         started = time.monotonic()
         assert http.post("/v1/completions", json=small).status_code == 200
         assert time.monotonic() - started < whole / 2, (stream, whole)
+    # the streamed one is logged too (it was not: its last event is never sent), with what it generated
+    disconnected = [line for line in served.log.read_text().splitlines() if line.endswith("(client disconnected)")]
+    assert len(disconnected) == 1 and disconnected[0].startswith("POST /v1/completions 200 "), disconnected
+    assert int(disconnected[0].split()[3]) >= len("x"), disconnected   # its prompt, and what it generated
 
 
 def test_concurrent_clients_get_their_own_answers(server):
@@ -423,3 +429,77 @@ def test_response_format_text_is_accepted(server):
                                            max_tokens=3, temperature=0, response_format={"type": "text"})
     assert reply.choices[0].message.content == _greedy(reference, tokenizer, "user: Hi\nassistant:", 3)
 
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    return endless_llama_store(tmp_path_factory.mktemp("endless"), 4096)[0]
+
+
+def requests_in_flight_when(url: str, body: dict, interrupt, headers: dict | None = None) -> tuple[list[str], dict, float]:
+    """Sends `body` streamed and whole; once the streamed one decodes, `interrupt()`. Returns the streamed
+    reply's events after that, the whole reply (status, body) and the seconds until the streamed one ended."""
+    whole: dict = {}
+
+    def ask_whole() -> None:
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+        whole.update(status=reply.status_code, body=reply.json())
+
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as stream:
+        lines = stream.iter_lines()
+        for line in lines:   # until the first generated text: the request is decoding
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        asking = threading.Thread(target=ask_whole)
+        asking.start()
+        time.sleep(0.3)
+        interrupt()
+        interrupted = time.monotonic()
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        answered = time.monotonic() - interrupted
+    asking.join(120)
+    return events, whole, answered
+
+
+def test_a_signal_stops_serve_promptly_and_answers_the_requests_in_flight(endless, tmp_path):
+    """Ctrl-C waited for every request in flight (78 s for two of 200 tokens of a 0.5B model). Now the
+    requests get a 503 `server_stopping` (an error event when streamed) and the server stops at once."""
+    served = Served(endless, tmp_path / "serve.log")
+    try:
+        events, whole, answered = requests_in_flight_when(
+            served.url, {"prompt": "Hello", "max_tokens": 4000, "temperature": 0},
+            lambda: served.process.send_signal(signal.SIGINT))
+        started = time.monotonic()
+        served.process.wait(timeout=60)
+        stopped = answered + time.monotonic() - started
+    finally:
+        served.process.kill()
+    assert answered < 5 and stopped < 20, (answered, stopped)   # 4,000 tokens took a minute
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_stopping" and error["message"].startswith("this server is stopping (SIGINT)")
+    assert whole["status"] == 503 and whole["body"]["error"]["code"] == "server_stopping"
+    assert served.process.returncode == 0 and served.log.read_text().rstrip().endswith("shardstream serve: stopped")
+
+
+def test_a_second_signal_stops_serve_at_once(endless, tmp_path):
+    """The first signal waits (a while) for a request still being sent; a second one stops the server at once
+    (it did nothing: the server waited for that request for ever)."""
+    served = Served(endless, tmp_path / "serve.log")
+    try:
+        with socket.create_connection(("127.0.0.1", served.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")   # and the rest never comes
+            time.sleep(0.5)
+            served.process.send_signal(signal.SIGINT)
+            time.sleep(1)
+            assert served.process.poll() is None   # waiting for that request's body
+            served.process.send_signal(signal.SIGINT)
+            again = time.monotonic()
+            served.process.wait(timeout=30)
+            assert time.monotonic() - again < 2
+    finally:
+        served.process.kill()
+    assert served.process.returncode == 128 + signal.SIGINT
+    assert "shardstream serve: SIGINT again; stopped at once" in served.log.read_text()

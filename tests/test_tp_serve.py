@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
+from test_stream_server import requests_in_flight_when
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -174,7 +174,6 @@ def test_streaming_logprobs_n_and_chat(ranks):
     (["--tp-cache", "cache"], "--tp-cache goes with --tensor-parallel; leave it out."),
     (["--tensor-parallel", "--max-host-memory", "1GB"], "--max-host-memory applies only with --device cuda; leave it out."),
     (["--tp-timeout", "60"], "--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel."),
-    (["--tensor-parallel", "--tp-timeout", "0"], "--tp-timeout must be a positive number of seconds, not 0.0."),
 ])
 def test_options_that_do_not_go_with_tensor_parallel_are_one_sentence(tiny, options, sentence):
     store, _, _ = tiny
@@ -212,33 +211,15 @@ def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_
     before = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0).choices[0].text
     long = CONTEXT - 40
     assert 2 not in _greedy_ids(reference, tokenizer, "Hello", long)   # no EOS: the request runs its length
-    headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": long, "temperature": 0}
-    whole: dict = {}
-
-    def ask_whole() -> None:
-        reply = httpx.post(served.url + "/v1/completions", json=body, headers=headers, timeout=60)
-        whole.update(status=reply.status_code, body=reply.json())
-
-    events = []
-    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True}, headers=headers,
-                      timeout=60) as stream:
-        lines = stream.iter_lines()
-        for line in lines:   # until the first generated text: the request is decoding
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                break
-        asking = threading.Thread(target=ask_whole)
-        asking.start()
-        time.sleep(0.3)
-        os.kill(served.rank_pid(1), signal.SIGKILL)
-        killed = time.monotonic()
-        events = [line[6:] for line in lines if line.startswith("data: ")]
-    asking.join(60)
-    assert time.monotonic() - killed < 30   # a reply, not a hang until a timeout
+    events, whole, answered = requests_in_flight_when(served.url, body, lambda: os.kill(served.rank_pid(1), signal.SIGKILL),
+                                                      {"Authorization": f"Bearer {KEY}"})
+    assert answered < 30   # a reply, not a hang until a timeout
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     # rank 0 learns it from gloo (the connection to rank 1 closed), or first from torchrun's SIGTERM
     assert error["message"].startswith(("the tensor-parallel group failed", "this server is stopping (SIGTERM")), error
+    assert error["code"] == "tensor_parallel_unavailable" and error["type"] == "server_error"   # as the 503's
     assert whole["status"] == 503
     assert whole["body"]["error"]["code"] == "tensor_parallel_unavailable"
     assert "retry once /health answers 200" in whole["body"]["error"]["message"]

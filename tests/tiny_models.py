@@ -75,3 +75,20 @@ def llama_store_with_tokenizer(folder: Path):
     tokenizer.save_pretrained(folder / "ckpt")
     convert(folder / "ckpt", folder / "store", progress=False)
     return folder / "store", reference, tokenizer
+
+
+def endless_llama_store(folder: Path, context: int):
+    """A converted tiny Llama with a `context`-token context and a char tokenizer without an end-of-sequence
+    token, so that a request runs all its max_tokens (or until memory ends it): (store path, reference model)."""
+    from shardstream.convert import convert
+
+    settings = {**COMMON, **CONFIGS["llama"], "max_position_embeddings": context, "eos_token_id": None}
+    settings.pop("model_type")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()
+    reference.save_pretrained(folder / "ckpt")
+    tokenizer = char_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", progress=False)
+    return folder / "store", reference

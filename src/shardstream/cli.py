@@ -5,10 +5,12 @@ User mistakes (our ShardstreamError classes) print one red sentence and exit 1, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import __version__, options
+from . import __version__, interrupted, options
 from .cli_style import Command, Group
 from .errors import InvalidOption, ShardstreamError
 from .options import Compression, HfToken, OldHfToken, Revision, Sequential
@@ -75,16 +77,17 @@ def convert(
     from .convert import convert as run_convert
 
     _logging(verbose)
-    report = run_convert(
-        source, out,
-        sequential_shard_processing=sequential,
-        compression=options.compression(compression),
-        delete_original=delete_original,
-        profiling_mode=profile,
-        min_free_space=parse_size(min_free_space, "--min-free-space"),
-        layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
-        token=token or hf_token, revision=revision, progress=not no_progress,
-    )
+    with interrupted.rerun_continues():
+        report = run_convert(
+            source, out,
+            sequential_shard_processing=sequential,
+            compression=options.compression(compression),
+            delete_original=delete_original,
+            profiling_mode=profile,
+            min_free_space=parse_size(min_free_space, "--min-free-space"),
+            layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
+            token=token or hf_token, revision=revision, progress=not no_progress,
+        )
     console.print(report.summary(), soft_wrap=True, highlight=False)
 
 
@@ -232,8 +235,19 @@ def _mount_subcommands() -> None:
 
     app.command("agent", cls=Command, help="Run a pipeline agent on this device.")(agent_command)
     app.command("coordinator", cls=Command, help="Profile agents, plan, ship stages and generate across them.")(coordinator_command)
-    app.command("train", cls=Command, help="Train a causal LM on a dataset streamed in blocks and chunks.")(train_command)
+    app.command("train", cls=Command, help="Train a causal LM on a dataset streamed in blocks and chunks.")(
+        _continues_on_rerun(train_command))
     app.add_typer(data_app, name="data", help="Inspect and move the training-data tracker.")
+
+
+def _continues_on_rerun(command: Callable) -> Callable:
+    """`command`, run inside `interrupted.rerun_continues()` (typer reads the wrapped one's options)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        with interrupted.rerun_continues():
+            return command(*args, **kwargs)
+
+    return run
 
 
 _mount_subcommands()
@@ -251,7 +265,7 @@ def use_huge_pages_for_tensors() -> None:
 
 def main() -> None:
     """Console entry point: our errors and click's usage errors (a bad option value, a missing
-    argument) become one line on stderr and exit code 1."""
+    argument) become one line on stderr; exit code 2 for a usage error (click's), 1 for ours."""
     from typer._click.exceptions import ClickException  # typer's bundled click (typer is pinned)
 
     use_huge_pages_for_tensors()
@@ -263,11 +277,11 @@ def main() -> None:
         hint = f" (see `{exc.ctx.command_path} -h`)" if getattr(exc, "ctx", None) is not None else ""
         # the message is text, not markup: a path or a library's message may hold brackets ("[/__w/...]")
         err_console.print(f"[red]error:[/red] {escape(message + hint)}", highlight=False, soft_wrap=True, markup=True)
-        sys.exit(1)
+        sys.exit(exc.exit_code if isinstance(exc, ClickException) else 1)
     except KeyboardInterrupt:
         code = 130
     if code == 130:
-        err_console.print("interrupted; re-run the same command to continue where it stopped.")
+        err_console.print(interrupted.message())
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -118,3 +118,8 @@ class InsufficientMemory(ShardstreamError, MemoryError):
 
 class StoreBusy(ShardstreamError, BlockingIOError):
     """Another process is writing the store (converting, sharding or relocating into it) right now."""
+
+
+class ServerStopping(ShardstreamError, ConnectionError):
+    """`serve` was told to stop (Ctrl-C, SIGTERM) while a request was in flight: the request is answered with
+    this (a 503) rather than waited for."""

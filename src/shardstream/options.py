@@ -8,11 +8,15 @@ README.md "Options shared by every command" lists them. `--token` is the pipelin
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
+from typer._click.exceptions import UsageError   # typer's bundled click (typer is pinned)
 
 from .errors import InvalidOption
+from .sizes import parse_size
 
 COMPRESSIONS = ("none", "4bit", "8bit")
 
@@ -59,3 +63,45 @@ def model_id(source: str) -> str:
         return trimmed.rsplit("/", 1)[-1]
     path = Path(trimmed).expanduser()
     return path.resolve().name if path.exists() or trimmed.startswith((".", "/", "~")) else trimmed
+
+
+# Checks of option values, given to typer.Option as its `callback`: they run while the command line is
+# parsed, before anything loads, and refuse a bad value in one sentence that names the option as typed
+# and what it accepts (exit code 2, click's for a usage error).
+
+def whole_number(low: int, high: int | None = None) -> Callable:
+    """An integer option from `low` (to `high`)."""
+    accepted = f"a whole number from {low} to {high}" if high is not None else f"a whole number of at least {low}"
+    return _checked(lambda value: low <= value and (high is None or value <= high), accepted)
+
+
+def real_number(low: float, high: float | None = None, *, above: bool = False) -> Callable:
+    """A float option of at least `low` (above it, with `above`) and at most `high`; never nan or inf."""
+    accepted = f"a finite number {'above' if above else 'of at least'} {low:g}" + (
+        f" and at most {high:g}" if high is not None else "")
+    return _checked(lambda value: math.isfinite(value) and (value > low if above else value >= low)
+                    and (high is None or value <= high), accepted)
+
+
+def size(*, auto: bool = False, zero: bool = True) -> Callable:
+    """A size option ('2GB', '500MB'; `auto` too where that means something; 0 only where `zero`)."""
+    def ok(value: str) -> bool:
+        if auto and value == "auto":
+            return True
+        try:
+            return parse_size(value, "") > 0 or zero
+        except InvalidOption:
+            return False
+
+    accepted = "a size" + ("" if zero else " above 0") + " such as 500MB, 2GB or 2GiB" + (", or auto" if auto else "")
+    return _checked(ok, accepted)
+
+
+def _checked(ok: Callable[[object], bool], accepted: str) -> Callable:
+    def check(param: typer.CallbackParam, value):
+        if value is not None and not ok(value):
+            shown = repr(value) if isinstance(value, str) else value
+            raise UsageError(f"{param.opts[0]} must be {accepted}, not {shown}.")
+        return value
+
+    return check

@@ -18,9 +18,12 @@ def parse_size(text: str, option: str) -> int:
     number = cleaned.rstrip("KMGTIB")
     unit = cleaned[len(number):]
     try:
-        return int(float(number) * SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise InvalidOption(f"{option} takes a size such as 1GB, 500MB or 2GiB, not {text!r}.") from None
+        size = int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, KeyError, OverflowError):   # OverflowError: "inf"
+        size = -1
+    if size < 0:
+        raise InvalidOption(f"{option} takes a size such as 1GB, 500MB or 2GiB, not {text!r}.")
+    return size
 
 
 def format_size(nbytes: int) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import DynamicCache
 
-from ..errors import InvalidOption, ShardstreamError
+from ..errors import InsufficientMemory, InvalidOption, ShardstreamError
 from ..sizes import parse_size
 from . import kvcache, pass_memory
 from .admission import Shape, kv_peak, map_large_allocations, prefill_passes, room
@@ -40,6 +40,7 @@ log = logging.getLogger("shardstream.batching")
 
 NO_TOKEN = -1          # the token of a cancelled sequence's last event: no token was generated
 GATHER_ROUNDS = 10     # an idle engine waits at most this many gather_seconds for a burst of requests to end
+KV_AHEAD_TOKENS = 512  # most tokens to come a sequence's KV cache is reserved for; past them it grows as they come
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class TokenLogprob:
 class TokenEvent:
     token: int
     logprob: TokenLogprob | None                   # set when SamplingParams.logprobs is not None
-    finish_reason: str | None                      # None until the last event: "stop" (EOS), "length", "cancelled"
+    finish_reason: str | None                      # None until the last event: "stop" (EOS), "length" (max_new_tokens,
+                                                   # or no memory left for more), "cancelled"
 
 
 class Sequence:
@@ -203,8 +205,16 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _remaining(sequence: Sequence) -> int:
-    """Tokens a sequence may still generate: the columns its cache rows must still hold."""
+    """Tokens a sequence may still generate."""
     return sequence.params.max_new_tokens - len(sequence.generated)
+
+
+def _ahead(sequence: Sequence) -> int:
+    """Columns the batch's cache reserves for a sequence's tokens to come: all of them up to KV_AHEAD_TOKENS.
+    A request without max_tokens may ask for a whole context (32,768 tokens of Qwen2.5-0.5B are 768 MiB of
+    float32 cache): reserving that at once had the kernel kill the server; past these the cache grows as
+    the tokens come (`BatchEngine._grow`), while memory allows."""
+    return min(_remaining(sequence), KV_AHEAD_TOKENS)
 
 
 def resolve_kv_budget(budget: int | str | None) -> int | None:
@@ -226,6 +236,7 @@ class _Prefill:
     ids: torch.Tensor            # (rows, longest prompt), left-padded
     mask: torch.Tensor
     chunk_tokens: int            # prompt tokens per pass over all rows (see BatchEngine._admit)
+    ahead: int = KV_AHEAD_TOKENS  # fewer for one sequence alone whose tokens ahead the memory left cannot hold
     cache: DynamicCache | None = None   # reserved for the longest prompt by the first pass (a step, whose
                                         # failure fails the group); widened or merged when the group joins
     done_columns: int = 0
@@ -308,15 +319,19 @@ class BatchEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Finish (cancel) every sequence and stop the thread."""
+    def close(self, wait_s: float | None = None) -> bool:
+        """Finish (cancel) every sequence and stop the thread; False where the step in progress did not end
+        within `wait_s` seconds (the thread is left to it: the caller may exit without it)."""
         with self._condition:
             self._closed = True
             self._condition.notify()
-        self._thread.join()
+        self._thread.join(wait_s)
+        if self._thread.is_alive():
+            return False
         cancel_all([*self._waiting, *self._running, *(self._prefill.sequences if self._prefill else [])])
         self._waiting.clear()
         self._running, self._prefill, self._cache, self._mask = [], None, None, None
+        return True
 
     def abort(self, error: BaseException) -> None:
         """Fail every sequence held (their iterators raise `error`) and refuse new ones with it, from any
@@ -411,22 +426,22 @@ class BatchEngine:
                 sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
         self._keep_unfinished()
 
-    def _needs(self, group: list[Sequence], chunk_tokens: int) -> tuple[int, int]:
+    def _needs(self, group: list[Sequence], chunk_tokens: int, ahead: int = KV_AHEAD_TOKENS) -> tuple[int, int]:
         """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
         is allocated now, at the worst of three moments: the group's prefill passes (the running batch's
         reservation, the group's own and a prefill pass's activations), the merge (the merged reservation
-        built a layer at a time while the old ones are dropped), and the batch's last token (the merged
-        reservation plus a decode pass's activations).
+        built a layer at a time while the old ones are dropped), and the reservation's last token (the
+        merged reservation plus a decode pass's activations).
 
         The batch is left-padded, so every row is as wide as the widest: the merged width (the running
         width after the group's prefill passes, or the group's longest prompt) plus the most tokens any
-        row may still generate; that is what kvcache reserves."""
+        row has ahead (`_ahead`, at most `ahead`); that is what kvcache reserves."""
         shape, running = self.shape, len(self._running)
         longest = max(s.prompt_tokens for s in group)
         passes, columns = prefill_passes(len(group), longest, chunk_tokens)
         running_width = self._mask.shape[1] + passes if running else 0
         width = max(running_width, longest)
-        remaining = max(_remaining(s) for s in [*self._running, *group])
+        remaining = min(ahead, max(_ahead(s) for s in [*self._running, *group]))
         kv = kv_peak(shape, running + len(group), width, remaining)
         allocated = kvcache.reserved_bytes(self._cache)
         own = kv_peak(shape, len(group), longest, 0)   # the group's cache holds its prompts until it joins
@@ -442,11 +457,14 @@ class BatchEngine:
 
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
-        which bound bit. A sequence that does not fit waits for running ones to finish; one alone is
-        always admitted, so that every request completes. With none running the group's prefill passes
-        may take `idle_prefill_tokens`, or `prefill_chunk_tokens` where only those fit."""
+        which bound bit. A sequence that does not fit waits for running ones to finish. One alone is
+        admitted with as few tokens ahead as the memory left holds (its cache grows later, or it ends with
+        "length"); where not even its prompt fits, it fails with InsufficientMemory (a 503 from the
+        server) rather than run into the kernel's kill. With none running the group's prefill passes may
+        take `idle_prefill_tokens`, or `prefill_chunk_tokens` where only those fit."""
         group: list[Sequence] = []
-        chunk = self.prefill_chunk_tokens if self._running else self.idle_prefill_tokens
+        refused: list[tuple[Sequence, InsufficientMemory]] = []
+        chunk, ahead = self.prefill_chunk_tokens if self._running else self.idle_prefill_tokens, KV_AHEAD_TOKENS
         bound, limit = None, None   # which bound bit (said once per change, not per step), and its details
         free = self._room() if self._waiting else None
         with self._condition:
@@ -469,11 +487,15 @@ class BatchEngine:
                         bound = "memory"
                         limit = f"memory ({max(free, 0) >> 20} MiB left for the batch, {needed >> 20} MiB needed)"
                         break
-                    if self.forward_passes:   # before the first pass, the room is an underestimate
-                        log.warning("one sequence alone needs %d MiB but %d MiB are left; running it anyway",
-                                    needed >> 20, max(free, 0) >> 20)
+                    ahead, needed = self._fit_ahead(candidate, chunk, free)
+                    if needed > free and self.forward_passes:   # before the first pass, the room is an underestimate
+                        refused.append((self._waiting.popleft(), _no_room(candidate[0], needed, free)))
+                        continue
                 group.append(self._waiting.popleft())
             waiting = len(self._waiting)
+        for sequence, error in refused:
+            log.warning("%s", error)
+            sequence.fail(error)
         if bound != self._limit and bound is not None:
             log.info("batch limited by %s: %d running, %d admitted, %d waiting",
                      limit, len(self._running), len(group), waiting)
@@ -486,7 +508,17 @@ class BatchEngine:
         for row, sequence in enumerate(group):
             ids[row, longest - sequence.prompt_tokens:] = torch.tensor(sequence.prompt_ids)
             mask[row, longest - sequence.prompt_tokens:] = 1
-        return _Prefill(group, ids.to(self.device), mask.to(self.device), chunk)
+        return _Prefill(group, ids.to(self.device), mask.to(self.device), chunk, ahead)
+
+    def _fit_ahead(self, alone: list[Sequence], chunk_tokens: int, free: int) -> tuple[int, int]:
+        """The most tokens ahead (halved from KV_AHEAD_TOKENS down to 1) whose needs fit `free` bytes, for
+        one sequence alone, and those needs; the needs of 1 when none fits."""
+        ahead = KV_AHEAD_TOKENS
+        needed = self._needs(alone, chunk_tokens, ahead)[1]
+        while ahead > 1 and needed > free:
+            ahead //= 2
+            needed = self._needs(alone, chunk_tokens, ahead)[1]
+        return ahead, needed
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
         """One pass over the blocks for every row; the new columns are the last ids.shape[1] of `mask`."""
@@ -523,9 +555,10 @@ class BatchEngine:
             return
         kept = [group.sequences[row] for row in keep]
         # joining alone, the group's cache becomes the batch's and is widened now; else the merge reserves
-        mask = self.cache_ops.select(group.cache, group.mask, keep, 0 if self._running else max(map(_remaining, kept)))
+        ahead = 0 if self._running else min(group.ahead, max(map(_ahead, kept)))
+        mask = self.cache_ops.select(group.cache, group.mask, keep, ahead)
         if self._running:
-            remaining = max(map(_remaining, [*self._running, *kept]))
+            remaining = max(map(_ahead, [*self._running, *kept]))
             self._mask = self.cache_ops.merge(self._cache, self._mask, group.cache, mask, remaining)
         else:
             self._cache, self._mask = group.cache, mask
@@ -543,6 +576,9 @@ class BatchEngine:
                                                          sequence.params.logprobs or 0)
 
     def _decode_step(self) -> None:
+        self._grow()
+        if not self._running:
+            return
         ids = torch.tensor([[s.generated[-1]] for s in self._running], device=self.device)
         mask = torch.cat([self._mask, self._mask.new_ones((len(self._running), 1))], 1)
         logits = self._forward(ids, mask, self._cache, False)
@@ -560,12 +596,49 @@ class BatchEngine:
                   else "length" if len(sequence.generated) >= sequence.params.max_new_tokens else None)
         sequence.emit(TokenEvent(token, logprob, finish))
 
+    def _grow(self) -> None:
+        """Before a decode step with no column of the reservation left: widen it by the most tokens a row
+        has ahead, or by as many as the memory left holds. Where not even one more column fits, end the
+        sequence that has generated the most with finish_reason "length" (every row costs the same:
+        the batch is left-padded), until the others' next column fits."""
+        while self._running and self._mask.shape[1] >= kvcache.reserved_columns(self._cache):
+            free, columns = self._room(), max(map(_ahead, self._running))
+            while free is not None and columns and self._growth_needs(columns) > free:
+                columns //= 2
+            if columns:
+                self._mask = self.cache_ops.select(self._cache, self._mask, list(range(len(self._running))), columns)
+                return
+            ended = max(self._running, key=lambda s: len(s.generated))
+            log.warning("ended a sequence after %d tokens with finish_reason \"length\": its KV cache cannot grow in "
+                        "the memory left (%d MiB left, %d MiB needed for one more token)", len(ended.generated),
+                        max(free, 0) >> 20, self._growth_needs(1) >> 20)
+            ended.emit(TokenEvent(NO_TOKEN, None, "length"))
+            self._keep_unfinished()
+
+    def _growth_needs(self, columns: int) -> int:
+        """Bytes beyond the running batch's reservation that widening it by `columns` takes: the wider one,
+        built a layer at a time beside the old (kvcache.select), then a decode pass over it."""
+        rows, width = len(self._running), self._mask.shape[1]
+        allocated = kvcache.reserved_bytes(self._cache)
+        grown = kv_peak(self.shape, rows, width, columns)
+        return grown + max(allocated // self.shape.layers, self.shape.pass_bytes(rows, 1, width + columns, 1)) - allocated
+
     def _keep_unfinished(self) -> None:
+        """Drop finished rows from the batch; the rest keep the columns they had ahead (never more: only
+        `_grow` widens, within the memory left)."""
         keep = [row for row, s in enumerate(self._running) if not s.done]
         if len(keep) == len(self._running):
             return
+        left = kvcache.reserved_columns(self._cache) - self._mask.shape[1]
         self._running = [self._running[row] for row in keep]
         if keep:
-            self._mask = self.cache_ops.select(self._cache, self._mask, keep, max(map(_remaining, self._running)))
+            self._mask = self.cache_ops.select(self._cache, self._mask, keep, min(left, max(map(_ahead, self._running))))
         else:
             self._cache, self._mask = None, None
+
+
+def _no_room(sequence: Sequence, needed: int, free: int) -> InsufficientMemory:
+    return InsufficientMemory(
+        f"a prompt of {sequence.prompt_tokens} tokens needs {needed >> 20} MiB (its KV cache and a pass's "
+        f"temporaries) but this process has {max(free, 0) >> 20} MiB left; send a shorter prompt, or give the "
+        "process more memory.")

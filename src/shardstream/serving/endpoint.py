@@ -1,13 +1,18 @@
 """Where and how serve's HTTP side listens, shared by one process's `serve`, rank 0 of `serve
 --tensor-parallel` and the pipeline's coordinator: the port bound before the model loads (a port in
-use is said at once), the uvicorn server that leaves the signals to serve, the OpenAI app over an engine."""
+use is said at once), the uvicorn server that leaves the signals to serve, the OpenAI app over an engine,
+and how serve stops on a signal."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +67,24 @@ def server_class():
             yield
 
     return Server
+
+
+def stop_on_signals(stop: Callable[[signal.Signals], None]) -> None:
+    """SIGINT and SIGTERM (Ctrl-C, `kill`): the first calls `stop` with it, in a thread of its own (a signal
+    handler may have interrupted a lock's holder), which answers the requests in flight with an error and
+    ends the server, without waiting for them; a second ends the process at once, with 128 + its number."""
+    stopping = False
+
+    def handle(number: int, frame) -> None:
+        nonlocal stopping
+        if stopping:
+            say(f"shardstream serve: {signal.Signals(number).name} again; stopped at once")
+            os._exit(128 + number)
+        stopping = True
+        threading.Thread(target=stop, args=(signal.Signals(number),), name="shardstream-stop", daemon=True).start()
+
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, handle)
 
 
 def bind(host: str, port: int) -> socket.socket:

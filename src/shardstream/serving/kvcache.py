@@ -1,6 +1,7 @@
-"""The running batch's KV cache, reserved up front: each layer's keys (and values) of every row live
-in one tensor as wide as the batch will ever get (its widest row plus the most tokens any row may still
-generate), and each pass writes its new columns in place.
+"""The running batch's KV cache, reserved ahead: each layer's keys (and values) of every row live in
+one tensor as wide as the batch's widest row plus the most tokens any row may still generate (at most
+`batching.KV_AHEAD_TOKENS` of them: past those the engine widens the reservation while memory allows),
+and each pass writes its new columns in place.
 
 transformers' DynamicCache grows by `torch.cat`: every decode step copies every layer's whole cache
 into a new tensor. For 32 rows of the reference model (issue 10) those copies took a third of a
@@ -93,6 +94,11 @@ def filled_layers(cache: DynamicCache) -> list[ReservedLayer]:
 
 def reserved_bytes(cache: DynamicCache | None) -> int:
     return sum(layer.reserved_bytes for layer in cache.layers) if cache is not None else 0
+
+
+def reserved_columns(cache: DynamicCache) -> int:
+    """How wide the cache's reservation is: the columns its rows may fill before it must grow."""
+    return min(layer.capacity for layer in filled_layers(cache))
 
 
 def merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor,

@@ -19,9 +19,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ShardstreamError
+from ..errors import GroupLost, InsufficientMemory, PipelineUnavailable, ServerStopping, ShardstreamError
 
 HEALTH_PATH = "/health"
+# our errors that say the server cannot answer now (a 503, with this code), not that the request is wrong
+UNAVAILABLE = {GroupLost: "tensor_parallel_unavailable", PipelineUnavailable: "pipeline_unavailable",
+               InsufficientMemory: "insufficient_memory", ServerStopping: "server_stopping"}
 DEFAULT_MAX_REQUEST_BYTES = 8 * 10**6   # `serve --max-request-size`: a whole context of token ids is under 1 MB
 
 
@@ -33,10 +36,26 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
+    @property
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(status_code=self.status, content=body, headers=headers)
+        return JSONResponse(status_code=self.status, content=self.body, headers=headers)
+
+
+def api_error(error: Exception) -> APIError:
+    """How any error out of a request is answered, whole (its status) or streamed (an error event, the same
+    body): ours are a 400 saying what to change, or a 503 for those in UNAVAILABLE; anything else a 500."""
+    if isinstance(error, APIError):
+        return error
+    code = next((code for kind, code in UNAVAILABLE.items() if isinstance(error, kind)), None)
+    if code is not None:
+        return APIError(503, str(error), code=code, kind="server_error")
+    if isinstance(error, ShardstreamError):
+        return APIError(400, str(error))
+    return APIError(500, f"the server failed: {error}", kind="server_error")
 
 
 class _Request(BaseModel):
@@ -201,18 +220,16 @@ def install_errors(app: FastAPI) -> None:
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         return _validation_error(error).response()
 
-    @app.exception_handler(ShardstreamError)
-    async def _user(request: Request, error: ShardstreamError) -> JSONResponse:
-        return APIError(400, str(error)).response()
-
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
         return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind=kind).response()
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, error: Exception) -> JSONResponse:
-        return APIError(500, f"the server failed: {error}", kind="server_error").response()
+    async def _answer(request: Request, error: Exception) -> JSONResponse:
+        return api_error(error).response()
+
+    app.add_exception_handler(ShardstreamError, _answer)   # ours: answered, not logged as a crash
+    app.add_exception_handler(Exception, _answer)
 
 
 def install_api_key(app: FastAPI, api_key: str | None) -> None:
@@ -286,7 +303,8 @@ class RequestLog:
     """ASGI middleware printing one line per request: method, path, status, tokens, seconds.
 
     Handlers report tokens in `request.state.tokens`; the line is printed when the body is done,
-    so a streamed reply is logged when its last event is sent."""
+    so a streamed reply is logged when its last event is sent, or, when its client disconnected
+    first, once the handler stops, marked "(client disconnected)"."""
 
     def __init__(self, app, print_line: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)):
         self.app = app
@@ -295,19 +313,28 @@ class RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, status = time.monotonic(), [0]
+        start, status, logged = time.monotonic(), 0, False
         scope.setdefault("state", {})
 
+        def log_line(note: str = "") -> None:
+            nonlocal logged
+            logged = True
+            self.print_line(f"{scope['method']} {scope['path']} {status} {scope['state'].get('tokens', 0)} tokens "
+                            f"{time.monotonic() - start:.2f}s{note}")
+
         async def logged_send(message):
+            nonlocal status
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status = message["status"]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                tokens = scope["state"].get("tokens", 0)
-                self.print_line(f"{scope['method']} {scope['path']} {status[0]} {tokens} tokens "
-                                f"{time.monotonic() - start:.2f}s")
+                log_line()
 
-        await self.app(scope, receive, logged_send)
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            if not logged:
+                log_line(" (client disconnected)")
 
 
 _Request.model_rebuild()

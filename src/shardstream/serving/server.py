@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from .openai_api import (DEFAULT_MAX_REQUEST_BYTES, HEALTH_PATH, APIError, BodyLimit, ChatRequest,
-                         CompletionRequest, check_model, install_api_key, install_errors)
+                         CompletionRequest, api_error, check_model, install_api_key, install_errors)
 from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter
 from .text import chat_prompt
@@ -140,9 +140,10 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
                 if piece or entries or choice.finish:
                     yield _event(reply.chunk(reply.delta(choice, piece, entries, tokenizer)))
         except Exception as error:  # the status is already sent: say it in the stream
-            yield _event({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
-        usage.completion = sum(c.count for c in choices)
-        request.state.tokens = usage.total
+            yield _event(api_error(error).body)
+        finally:   # also when the client disconnected: the request log counts what was generated
+            usage.completion = sum(c.count for c in choices)
+            request.state.tokens = usage.total
         if include_usage:
             yield _event({**reply.head("chunk"), "choices": [], "usage": usage.body()})
         yield "data: [DONE]\n\n"

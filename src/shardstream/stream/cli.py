@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import InvalidOption
-from ..options import compression
+from ..options import compression, size
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
     from .model import StreamingModel
 
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
-Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.")]
+Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.",
+                                       callback=size(auto=True))]
 Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
 HostMemory = Annotated[str, typer.Option(help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after "
                                               "their first read, so a token only copies them to the GPU: auto (half the RAM "
-                                              "available), 0 (read them every token) or a size like 16GB.")]
+                                              "available), 0 (read them every token) or a size like 16GB.",
+                                         callback=size(auto=True))]
 ComputeDtype = Annotated[str, typer.Option(help="Dtype the model computes in: auto (the checkpoint's where the device multiplies "
                                                 "it fast, else float32; stderr says which and why), float32, bfloat16 or float16.")]
 Experts = Annotated[str, typer.Option(help="MoE experts: with-block (read with their block) or on-demand (only those the router "

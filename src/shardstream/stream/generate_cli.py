@@ -9,24 +9,30 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, refuse_tp_cache
+from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, real_number, refuse_tp_cache,
+                       whole_number)
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, open_model, refuse_experts_with_tp
 
 
 def generate_command(
     source: Source,
     prompt: Annotated[Optional[str], typer.Option(help="Text to continue.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (per prompt).")] = 50,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (per prompt).",
+                                                callback=whole_number(1))] = 50,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; above 0 samples.", callback=real_number(0))] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.", callback=real_number(0, 1, above=True))] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.",
+                                       callback=whole_number(0))] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).",
+                                                callback=whole_number(-2**63, 2**64 - 1))] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")] = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id.")] = None,
-    draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).")] = None,
+    draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).",
+                                                        callback=whole_number(1))] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches.")] = None,
     output: Annotated[Optional[Path], typer.Option(help="JSON-lines answers of --prompts-file; a rerun resumes it.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.",
+                                            callback=whole_number(1))] = 64,
     max_resident_memory: Resident = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
@@ -64,12 +70,14 @@ def generate_command(
         if draft is not None:
             raise InvalidOption("--draft works with --prompt only: speculative decoding runs one sequence at a "
                                 "time (see docs/STREAMING.md); drop --draft to batch the prompts file.")
+        from ..interrupted import rerun_continues
         from ..serving.offline import answer_file, pending
 
         prompts, done = pending(prompts_file, output, batch_size)
-        with open_model(source, store_path, max_resident_memory, device, False, not no_progress,
-                        batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
-                        converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
+        with rerun_continues(), open_model(
+                source, store_path, max_resident_memory, device, False, not no_progress,
+                batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
+                converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
             answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
                 max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
                 seed, not no_progress)

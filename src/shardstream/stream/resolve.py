@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from ..convert import check_same_source, convert
+from ..interrupted import rerun_continues
 from ..errors import InvalidOption, StoreIncomplete
 from ..sources import HUB_ID, LocalSource
 from ..store import MANIFEST_NAME, Manifest, Store, load_manifest, open_store
@@ -76,7 +77,8 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
     except StoreIncomplete:
         if Path(source).resolve() == path.resolve():
             raise
-    convert(source, path, **convert_options)
+    with rerun_continues():   # a Ctrl-C now leaves a conversion that the same command continues
+        convert(source, path, **convert_options)
     return open_store(path)
 
 

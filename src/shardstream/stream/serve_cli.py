@@ -1,29 +1,35 @@
 """`shardstream serve`: the OpenAI-compatible HTTP API over one streaming model, on the batch engine.
 
 The port is bound before the model loads, so a port in use is said at once, not after a long load.
+A signal (Ctrl-C, SIGTERM) stops it promptly: the requests in flight get a 503 (an error event when
+streamed), the step in progress gets STOP_S seconds to end, and a second signal ends it at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..errors import InvalidOption
-from ..options import Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, refuse_tp_cache
+from ..errors import InvalidOption, ServerStopping
+from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, real_number,
+                       refuse_tp_cache, size, whole_number)
 from ..sizes import parse_size
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class, stop_on_signals
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
+STOP_S = 10.0          # how long a stop waits for the last replies, then for the engine's step in progress
 
 
 def serve_command(
     source: Source,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one, printed).",
+                                      callback=whole_number(0, 65535))] = 8000,
     model_name: Annotated[Optional[list[str]], typer.Option(
         help="Model id(s) clients send as `model` (repeat, or a comma list); the first is reported by "
              "/v1/models. Default: the store's folder name (a Hub id as given). Any other id is a 404 "
@@ -31,19 +37,20 @@ def serve_command(
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together (each choice of each "
                                                      "request is one); fewer while the memory left cannot hold "
                                                      "their KV caches: the others wait, and stderr says which "
-                                                     "bound applied.")] = 32,
+                                                     "bound applied.", callback=whole_number(1))] = 32,
     api_key: Annotated[Optional[str], typer.Option(
         envvar="SHARDSTREAM_API_KEY", help="Require 'Authorization: Bearer KEY' on every path but /health.")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(
         help="A Jinja chat template file, for a model whose tokenizer has none (else chat is refused).")] = None,
     max_request_size: Annotated[str, typer.Option(
         help="Largest request body accepted (a size like 8MB); a larger one is refused with 413 before it is "
-             "read.")] = "8MB",
+             "read.", callback=size(zero=False))] = "8MB",
     quiet: Annotated[bool, typer.Option("--quiet", help="No line per request.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Annotated[str, typer.Option(
         help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
-             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.")] = "auto",
+             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.",
+        callback=size(auto=True))] = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
     compute_dtype: ComputeDtype = "auto",
@@ -59,7 +66,8 @@ def serve_command(
     tp_cache: TpCache = None,
     tp_timeout: Annotated[Optional[float], typer.Option(
         help="With --tensor-parallel: seconds a rank waits for the others in a collective before the group counts "
-             "as lost (also while a checkpoint is converted at start). Default: 300.")] = None,
+             "as lost (also while a checkpoint is converted at start). Default: 300.",
+        callback=real_number(0, above=True))] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     names = [name.strip() for value in (model_name or [model_id(source)]) for name in value.split(",") if name.strip()]
@@ -68,8 +76,6 @@ def serve_command(
     converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
-        if not timeout > 0:
-            raise InvalidOption(f"--tp-timeout must be a positive number of seconds, not {timeout}.")
         refuse_experts_with_tp(experts)
         from .cli import memory_options
         from ..tp.serve import serve_tp
@@ -96,11 +102,19 @@ def serve_command(
                              max_batch_size=max_batch_size)
         app = endpoint.app(model, tokenizer, engine)
         say(endpoint.listening(listener.getsockname()[1]))
-        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning"))
-        for number in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(number, lambda *_: setattr(server, "should_exit", True))
+        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning",
+                                               timeout_graceful_shutdown=STOP_S))
+
+        def stop(number: signal.Signals) -> None:
+            engine.abort(ServerStopping(f"this server is stopping ({number.name}); send the request again once it "
+                                        "is started again."))
+            server.should_exit = True
+
+        stop_on_signals(stop)
         try:
             server.run(sockets=[listener])
         finally:
-            engine.close()
+            if not engine.close(STOP_S):
+                say("shardstream serve: stopped, leaving the pass in progress unfinished")
+                os._exit(0)   # the engine's thread still uses the model: do not close it under the thread
             say("shardstream serve: stopped")

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
 from ..stream.cli import Converting, check_device
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, server_class
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, server_class, stop_on_signals
 from .cli import open_rank
 from .group import check_torchrun, join_group
 from .serving import GroupCalls, error_gist, follow
@@ -109,8 +109,7 @@ class _RankZero:
 
     def run(self) -> None:
         log_batch_bounds()
-        for number in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(number, self._signalled)
+        stop_on_signals(self._signalled)
         loading = threading.Thread(target=self._load, name="shardstream-tp-load", daemon=True)
         loading.start()
         with self.listener:
@@ -140,7 +139,6 @@ class _RankZero:
                                       pad_token_id=pad_id(tokenizer), max_batch_size=self.endpoint.max_batch_size,
                                       cache_ops=self.calls)
             app = self.endpoint.app(self.calls, tokenizer, self.engine)
-            app.add_exception_handler(GroupLost, _unavailable)
         except ShardstreamError as error:
             self.failure = error
         except Exception as error:  # noqa: BLE001 - a rank that failed while the group loaded
@@ -157,10 +155,9 @@ class _RankZero:
         self.problem = self.problem or error
         self._stop(error)
 
-    def _signalled(self, number: int, frame) -> None:
-        error = GroupLost(f"this server is stopping ({signal.Signals(number).name}; torchrun stops every rank when "
-                          "one fails); retry once /health answers 200.")
-        threading.Thread(target=self._stop, args=(error,), daemon=True).start()   # not in a signal handler
+    def _signalled(self, number: signal.Signals) -> None:
+        self._stop(GroupLost(f"this server is stopping ({number.name}; torchrun stops every rank when one fails); "
+                             "retry once /health answers 200."))
 
     def _stop(self, error: GroupLost) -> None:
         self.gate.close(str(error))
@@ -176,7 +173,3 @@ class _RankZero:
         except GroupLost:
             return
         self.model.close()
-
-
-async def _unavailable(request, error: GroupLost) -> JSONResponse:
-    return APIError(503, str(error), code="tensor_parallel_unavailable", kind="server_error").response()
