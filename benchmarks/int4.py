@@ -4,6 +4,7 @@ Sections (`--sections`):
 - kernel: one product of random weights of the Llama-3.2-1B shape's MLP (8192 x 2048) and head (128256 x 2048),
   NF4 (stream/quant_linear.cpp) and int4 (stream/int4_linear.cpp), alternating, `--rounds` rounds: the best
   milliseconds of each round's median, and GB/s of codes and scales read at one row; `--rows` more rows too.
+  Each call reads weights from memory, not from cache: the MLP's products go round copies of it (COPY_BYTES).
 - model: the Llama-3.2-1B shape (scripts/real_shapes.py, bf16, random weights) converted to a 4bit and an
   int4 store, each held in memory (every block resident), each round one process per store, alternating:
   decode tokens/s after a 32-token prompt, and prefill tokens/s of one `--prefill-tokens` pass.
@@ -33,6 +34,7 @@ from _measure import cpu_model, markdown_table  # noqa: E402
 METHODS = ("4bit", "int4")
 SHAPE = "llama-3.2-1b"
 KERNEL_SHAPES = {"MLP 8192 x 2048": (8192, 2048), "head 128256 x 2048": (128256, 2048)}
+COPY_BYTES = 256 << 20   # weights a method goes round: several times any L3 cache
 
 
 def machine() -> str:
@@ -60,19 +62,23 @@ def kernel(args) -> str:
         weight = (torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
         packed = {method: quant.quantize(weight, method) for method in METHODS}
         del weight
+        read = {method: sum(t.nbytes for t in quant.held_by(packed[method])) for method in METHODS}
+        copies = {method: [packed[method]] + [quant.QuantizedTensor(*(t.clone() for t in quant.held_by(packed[method])),
+                                                                     packed[method].meta)
+                                              for _ in range(COPY_BYTES // read[method])] for method in METHODS}
         for rows in rows_asked if label.startswith("MLP") else [1]:
             x = torch.randn(rows, in_features)
             best = {method: float("inf") for method in METHODS}
-            calls = max(2, int(2e8 // (out_features * in_features * rows)))
+            calls = max(3, int(2e8 // (out_features * in_features * rows)))
             for _ in range(args.rounds):
                 for method in METHODS:
                     times = []
-                    for _ in range(calls):
+                    for call in range(calls):
+                        weight = copies[method][call % len(copies[method])]
                         started = time.perf_counter()
-                        quant_linear.linear(x, packed[method], None)
+                        quant_linear.linear(x, weight, None)
                         times.append(time.perf_counter() - started)
                     best[method] = min(best[method], statistics.median(times))
-            read = {method: sum(t.nbytes for t in quant.held_by(packed[method])) for method in METHODS}
             lines.append([label, str(rows), *(f"{best[m] * 1e3:.2f} ms, {read[m] / best[m] / 1e9:.1f} GB/s" for m in METHODS),
                           f"{best['4bit'] / best['int4']:.2f}x"])
     return markdown_table(["weight", "rows", "NF4 (quant_linear)", "int4 (int4_linear)", "int4 speed-up"], lines)
@@ -155,12 +161,12 @@ def accuracy(args) -> str:
     for label, (ckpt, vocab) in models.items():
         ids = torch.randint(3, vocab, (1, 64), generator=torch.Generator().manual_seed(0))
         reference = reference_logits(ckpt, ids)
-        for method in METHODS:
-            weight_error, logits = quantized_run(ckpt, work / f"{ckpt.name}-{method}", method, ids)
+        for method, kernel_on in (("4bit", True), ("int4", True), ("int4", False)):
+            weight_error, logits = quantized_run(ckpt, work / f"{ckpt.name}-{method}", method, ids, kernel_on)
             logit_error = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).mean().item()
             agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-            lines.append([label, {"4bit": "NF4", "int4": "int4"}[method], f"{weight_error:.4f}", f"{logit_error:.4f}",
-                          f"{agree:.3f}"])
+            name = {"4bit": "NF4", "int4": "int4" if kernel_on else "int4 dequantized (x not rounded to int8)"}[method]
+            lines.append([label, name, f"{weight_error:.4f}", f"{logit_error:.4f}", f"{agree:.3f}"])
     return markdown_table(["model", "method", "weights' relative error", "mean relative logit error",
                            "top-1 agreement"], lines)
 
@@ -173,14 +179,17 @@ def reference_logits(ckpt: Path, ids):
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()(ids).logits[0]
 
 
-def quantized_run(ckpt: Path, store: Path, method: str, ids) -> tuple[float, "torch.Tensor"]:
-    """The weights' relative error over every quantized matrix of the store, and its logits in float32."""
+def quantized_run(ckpt: Path, store: Path, method: str, ids, kernel_on: bool) -> tuple[float, "torch.Tensor"]:
+    """The weights' relative error over every quantized matrix of the store, and its logits in float32 (an int4
+    store's without its kernel where not `kernel_on`: dequantized weights, x as it is)."""
+    import os
+
     import torch
     from safetensors import safe_open
 
     from shardstream.convert import convert
     from shardstream.store import open_store
-    from shardstream.stream import AutoModel
+    from shardstream.stream import AutoModel, int4_linear
 
     if not (store / "manifest.json").exists():
         convert(ckpt, store, compression=method, progress=False)
@@ -195,8 +204,14 @@ def quantized_run(ckpt: Path, store: Path, method: str, ids) -> tuple[float, "to
                 want = original.get_tensor(name).float()
                 error += (opened.load_tensor(name).float() - want).square().sum().item()
                 total += want.square().sum().item()
-    with AutoModel.from_pretrained(store, compute_dtype="float32", max_resident_memory=None) as model, torch.no_grad():
-        logits = model(ids).logits[0].float()
+    os.environ[int4_linear.SWITCH] = "1" if kernel_on else "0"
+    int4_linear._library.cache_clear()
+    try:
+        with AutoModel.from_pretrained(store, compute_dtype="float32", max_resident_memory=None) as model, torch.no_grad():
+            logits = model(ids).logits[0].float()
+    finally:
+        del os.environ[int4_linear.SWITCH]
+        int4_linear._library.cache_clear()
     return (error / total) ** 0.5, logits
 
 

@@ -130,6 +130,7 @@ constexpr int kColumns = 2;
 #endif
 constexpr int kPerGroup = kGroup / kLanes;   // vectors a group of 16 columns
 constexpr int kNarrowRows = kRows - 1;        // up to this many rows take the narrow tile
+constexpr int kSplitRows = 16;                // from this many rows on, a tile's codes are split once
 
 // x's rows as the products take them: int8 values, and per block of 32 its scale and -8 * its sum.
 struct Activations {
@@ -209,9 +210,30 @@ struct Weights {
   const uint16_t* scales_of(int64_t j) const { return scales + j / kPerGroup * kGroup * B + j % kPerGroup * kLanes; }
 };
 
+// Where a tile's codes come from: the stored bytes, split into low and high nibbles as they are read; or, for
+// many rows, a buffer that holds them split once for all rows (kSplitRows).
+template <int C>
+struct Packed {
+  const uint8_t* codes[C];
+  inline void get(int c, int64_t b, int chunk, Int& low, Int& high) const {
+    const Int v = load_codes(codes[c] + b * 256 + chunk * 64);
+    low = low_nibbles(v);
+    high = high_nibbles(v);
+  }
+};
+struct Split {
+  const uint8_t* bytes;   // per vector, block and chunk: its low nibbles as bytes, then its high ones
+  int64_t B;
+  inline void get(int c, int64_t b, int chunk, Int& low, Int& high) const {
+    const uint8_t* at = bytes + ((c * B + b) * 4 + chunk) * 2 * sizeof(Int);
+    low = load_codes(at);
+    high = load_codes(at + sizeof(Int));
+  }
+};
+
 // One block's integer sums for R rows by C vectors of columns: sum over the block of code * q, less 8 * sum q.
-template <int R, int C>
-inline void block_sums(const Activations& a, int64_t m0, int64_t b, const uint8_t* const* codes, Int (&sums)[R][C]) {
+template <int R, int C, class Source>
+inline void block_sums(const Activations& a, int64_t m0, int64_t b, const Source& codes, Int (&sums)[R][C]) {
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.q.data() + (m0 + r) * a.P + b * kBlock;
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
@@ -219,8 +241,8 @@ inline void block_sums(const Activations& a, int64_t m0, int64_t b, const uint8_
     for (int c = 0; c < C; ++c) sums[r][c] = set1(a.offset[(m0 + r) * a.B + b]);
   for (int chunk = 0; chunk < 4; ++chunk) {
     for (int c = 0; c < C; ++c) {
-      const Int v = load_codes(codes[c] + b * 256 + chunk * 64);
-      const Int low = low_nibbles(v), high = high_nibbles(v);
+      Int low, high;
+      codes.get(c, b, chunk, low, high);
       for (int r = 0; r < R; ++r) {
         sums[r][c] = dot(sums[r][c], low, broadcast32(x[r] + chunk * 8));
         sums[r][c] = dot(sums[r][c], high, broadcast32(x[r] + chunk * 8 + 4));
@@ -234,8 +256,8 @@ inline void block_sums(const Activations& a, int64_t m0, int64_t b, const uint8_
     for (int c = 0; c < C; ++c) pairs[r][c] = izero();
   for (int chunk = 0; chunk < 4; ++chunk) {
     for (int c = 0; c < C; ++c) {
-      const Int v = load_codes(codes[c] + b * 256 + chunk * 64);
-      const Int low = low_nibbles(v), high = high_nibbles(v);
+      Int low, high;
+      codes.get(c, b, chunk, low, high);
       for (int r = 0; r < R; ++r) {
         pairs[r][c] = _mm256_add_epi16(pairs[r][c], _mm256_maddubs_epi16(low, broadcast32(x[r] + chunk * 8)));
         pairs[r][c] = _mm256_add_epi16(pairs[r][c], _mm256_maddubs_epi16(high, broadcast32(x[r] + chunk * 8 + 4)));
@@ -249,16 +271,15 @@ inline void block_sums(const Activations& a, int64_t m0, int64_t b, const uint8_
 #endif
 }
 
-// Rows m0..m0+R-1 against the C vectors of columns whose codes and scales start at `codes` and `scales`.
-template <int R, int C>
-void tile(const Activations& a, int64_t m0, const uint8_t* const* codes, const uint16_t* const* scales, float* y,
-          int64_t ys) {
+// Rows m0..m0+R-1 against the C vectors of columns whose codes and scales are `codes` and `scales`.
+template <int R, int C, class Source>
+void tile(const Activations& a, int64_t m0, const Source& codes, const uint16_t* const* scales, float* y, int64_t ys) {
   Flt acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = fzero();
   for (int64_t b = 0; b < a.B; ++b) {
     Int sums[R][C];
-    block_sums<R, C>(a, m0, b, codes, sums);
+    block_sums<R, C, Source>(a, m0, b, codes, sums);
     Flt w[C];
     for (int c = 0; c < C; ++c) w[c] = load_scales(scales[c] + b * kGroup);
     for (int r = 0; r < R; ++r) {
@@ -271,8 +292,8 @@ void tile(const Activations& a, int64_t m0, const uint8_t* const* codes, const u
 }
 
 // All M rows against C vectors of columns, in tiles of R rows, then the last M % R rows.
-template <int R, int C>
-void all_rows(const Activations& a, int64_t M, const uint8_t* const* codes, const uint16_t* const* scales, float* y,
+template <int R, int C, class Source>
+void all_rows(const Activations& a, int64_t M, const Source& codes, const uint16_t* const* scales, float* y,
               int64_t ys) {
   int64_t m = 0;
   for (; m + R <= M; m += R) tile<R, C>(a, m, codes, scales, y, ys);
@@ -284,15 +305,24 @@ void all_rows(const Activations& a, int64_t M, const uint8_t* const* codes, cons
   }
 }
 
+// All M rows against the C vectors of columns from vector j on; from kSplitRows rows on, their codes split
+// into `split` first (a buffer of the thread's, reused).
 template <int R, int C>
-void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, float* y, int64_t ys) {
-  const uint8_t* codes[C];
+void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, float* y, int64_t ys,
+             std::vector<Int>& split) {
+  Packed<C> packed;
   const uint16_t* scales[C];
   for (int c = 0; c < C; ++c) {
-    codes[c] = w.codes_of(j + c);
+    packed.codes[c] = w.codes_of(j + c);
     scales[c] = w.scales_of(j + c);
   }
-  all_rows<R, C>(a, M, codes, scales, y + j * kLanes, ys);
+  if (M < kSplitRows) return all_rows<R, C>(a, M, packed, scales, y + j * kLanes, ys);
+  split.resize(C * a.B * 8);
+  for (int c = 0; c < C; ++c)
+    for (int64_t b = 0; b < a.B; ++b)
+      for (int chunk = 0; chunk < 4; ++chunk) packed.get(c, b, chunk, split[((c * a.B + b) * 4 + chunk) * 2],
+                                                      split[((c * a.B + b) * 4 + chunk) * 2 + 1]);
+  all_rows<R, C>(a, M, Split{reinterpret_cast<const uint8_t*>(split.data()), a.B}, scales, y + j * kLanes, ys);
 }
 
 // Every full group's columns in tiles of C vectors (the last tile's remaining vectors one at a time), and the
@@ -302,14 +332,15 @@ void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const
   const int64_t vectors = N / kGroup * kPerGroup;
   const int64_t tiles = vectors / C, singles = vectors % C, tail = N % kGroup;
   at::parallel_for(0, tiles + singles + (tail ? 1 : 0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<Int> split;
     for (int64_t t = begin; t < end; ++t) {
       if (t < tiles) {
-        columns<R, C>(a, M, w, t * C, y, ys);
+        columns<R, C>(a, M, w, t * C, y, ys, split);
       } else if (t < tiles + singles) {
-        columns<R, 1>(a, M, w, tiles * C + (t - tiles), y, ys);
+        columns<R, 1>(a, M, w, tiles * C + (t - tiles), y, ys, split);
       } else {
         std::vector<float> out(M * kGroup);
-        for (int64_t j = 0; j < kPerGroup; ++j) columns<R, 1>(a, M, rest, j, out.data(), kGroup);
+        for (int64_t j = 0; j < kPerGroup; ++j) columns<R, 1>(a, M, rest, j, out.data(), kGroup, split);
         for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ys + N / kGroup * kGroup, out.data() + m * kGroup, tail * sizeof(float));
       }
     }
