@@ -81,7 +81,7 @@ def test_tied_embedding_stored_once(tmp_path):
     assert torch.equal(end["lm_head.weight"], store.load("start")["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("method", ["4bit", "8bit"])
+@pytest.mark.parametrize("method", ["4bit", "8bit", "int4"])
 def test_compressed_store_within_bounds(tmp_path, method):
     save_checkpoint("llama", tmp_path / "src")
     original = checkpoint_tensors(tmp_path / "src")

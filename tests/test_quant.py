@@ -42,7 +42,7 @@ def per_block(values: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("shape", [(37, 300), (3, 5, 7), (1, 1)])
 def test_round_trip_error_within_block_bound(backend: str, method: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     x = randn(*shape, dtype=dtype)
@@ -68,7 +68,7 @@ def test_relative_bound_is_the_largest_half_gap(method: str, low: float, high: f
     assert low < quant.relative_error_bound(method, torch.float32) < high
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 def test_bound_is_reached_on_random_weights(method: str) -> None:
     # Guards against a bound so loose that the round-trip test above could never fail.
     x = randn(256, 256)
@@ -76,7 +76,7 @@ def test_bound_is_reached_on_random_weights(method: str) -> None:
     assert float(error) > 0.5 * quant.max_abs_error_bound(x, method)
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zeros_and_block_max_are_exact(method: str, dtype: torch.dtype) -> None:
     blocksize = quant.DEFAULT_BLOCKSIZE[method]
@@ -95,7 +95,7 @@ def test_negative_block_max_is_exact_in_nf4() -> None:
     assert round_trip(x, "4bit")[9] == -1.0
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 def test_code_values_times_power_of_two_round_trip_exactly(backend: str, method: str) -> None:
     code = quant.NF4_CODE if method == "4bit" else quant.dynamic_map()
     x = (code * 8).repeat(4)  # every block holds every code and +8, so absmax is 8
@@ -149,7 +149,7 @@ def test_non_contiguous_input_matches_contiguous() -> None:
     assert torch.equal(a.data, b.data) and torch.equal(a.absmax, b.absmax)
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 def test_dequantize_reads_bytes_at_an_odd_offset(method: str) -> None:
     # A store may hand over a slice of a larger buffer; 2-byte words need not be aligned there.
     q = quant.quantize(randn(10, 64), method)
@@ -158,7 +158,7 @@ def test_dequantize_reads_bytes_at_an_odd_offset(method: str) -> None:
     assert torch.equal(quant.dequantize(buffer[1:], q.absmax, q.meta), quant.dequantize(q.data, q.absmax, q.meta))
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_into_a_given_buffer_writes_every_value_there(method: str, dtype: torch.dtype) -> None:
     # A streaming reader dequantizes into a reused buffer: stale values must all be overwritten.
@@ -172,7 +172,7 @@ def test_dequantize_into_a_given_buffer_writes_every_value_there(method: str, dt
         quant.dequantize(q.data, q.absmax, q.meta, torch.empty(6 * 130, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(6, 130), (3, 64), (7,)])
 def test_elementwise_dequantization_a_gpu_runs_gives_the_same_values(method: str, dtype: torch.dtype, shape) -> None:
@@ -340,7 +340,7 @@ def nearest_codes(x: torch.Tensor, method: str, blocksize: int) -> torch.Tensor:
     return torch.bucketize(scaled.view(-1)[: x.numel()], quant._MIDPOINTS[method]).to(torch.uint8)
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_path_picks_the_nearest_code_ties_low(backend: str, method: str, dtype: torch.dtype) -> None:
     if backend != "torch":
@@ -358,7 +358,7 @@ def test_torch_path_picks_the_nearest_code_ties_low(backend: str, method: str, d
     assert torch.equal(q.data, expected)
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.BLOCKWISE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("shape", "blocksize"), [((40, 128), 64), ((37, 48), 64), ((9, 16), 32), ((5, 512), 256)])
 def test_dequantize_rows_gives_the_rows_of_the_whole(method: str, dtype: torch.dtype, shape: tuple[int, int],

@@ -77,7 +77,7 @@ def _joined(pieces: list[torch.Tensor], records: list, like: torch.Tensor) -> to
 
 @pytest.mark.parametrize("family, compression", [
     ("llama", None), ("gpt2", None), ("gpt_neox", None), ("falcon", None), ("phi3", None),
-    ("mixtral", None), ("llama", "4bit"), ("llama", "8bit"),
+    ("mixtral", None), ("llama", "4bit"), ("llama", "8bit"), ("llama", "int4"),
 ])
 def test_all_ranks_concatenate_to_the_original(family, compression, tmp_path_factory, tmp_path):
     """Put back by their ranges, the slices of 4 ranks are the tensors (KV heads, 2 here, replicated). On a

@@ -40,7 +40,7 @@ from .store.span import FileSpan, SourceFile
 
 log = logging.getLogger("shardstream.convert")
 
-COMPRESSIONS = (None, "4bit", "8bit")
+COMPRESSIONS = (None, "4bit", "8bit", "int4")
 DEFAULT_MIN_FREE_BYTES = 1_000_000_000
 STAGING_DIR = ".staging"
 PROFILE_FILE = "convert_profile.json"
@@ -130,7 +130,7 @@ def convert(
     intact are skipped. See README "Sequential conversion" for what gets deleted when.
     """
     if compression not in COMPRESSIONS:
-        raise InvalidOption(f"compression must be one of 4bit, 8bit or none, not {compression!r}.")
+        raise InvalidOption(f"compression must be one of 4bit, 8bit, int4 or None, not {compression!r}.")
     started = time.perf_counter()
     out = Path(out)
     _refuse_store_as_source(source)

@@ -15,6 +15,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+from . import quant
 from .errors import DiskSpaceError
 from .sizes import format_size
 from .sources import CheckpointSource, LocalSource
@@ -70,5 +71,5 @@ def compression_ratio(compression: str | None) -> float:
     """Output bytes per input byte, assuming 16-bit weights (a safe upper estimate for fp32)."""
     if compression is None:
         return 1.0
-    bits, blocksize = {"4bit": (4, 64), "8bit": (8, 256)}[compression]
-    return bits / 16 + 4 / (blocksize * 2)
+    scale_bytes = quant.SCALE_DTYPES[compression].itemsize
+    return quant.CODE_BITS[compression] / 16 + scale_bytes / (quant.DEFAULT_BLOCKSIZE[compression] * 2)

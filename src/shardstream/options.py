@@ -18,10 +18,11 @@ from typer._click.exceptions import UsageError   # typer's bundled click (typer 
 from .errors import InvalidOption
 from .sizes import parse_size
 
-COMPRESSIONS = ("none", "4bit", "8bit")
+COMPRESSIONS = ("none", "4bit", "8bit", "int4")
 
 Compression = Annotated[str, typer.Option(
-    help="When converting: store weights as none, 4bit (NF4) or 8bit (blockwise).")]
+    help="When converting: store weights as none, 4bit (NF4), 8bit (blockwise) or int4 (4-bit integers, "
+         "multiplied in the CPU's integer dot products: faster there, not bit-compatible with NF4).")]
 Sequential = Annotated[bool, typer.Option(
     "--sequential", help="When converting: one shard at a time; deletes each source shard after use.")]
 Revision = Annotated[Optional[str], typer.Option(
@@ -49,7 +50,7 @@ def compression(text: str) -> str | None:
     """The --compression value as convert() takes it (None for none)."""
     value = text.lower()
     if value not in COMPRESSIONS:
-        raise InvalidOption(f"--compression must be one of 4bit, 8bit or none, not {text!r}.")
+        raise InvalidOption(f"--compression must be one of {', '.join(COMPRESSIONS)}, not {text!r}.")
     return None if value == "none" else value
 
 

@@ -1,4 +1,4 @@
-"""Blockwise 4-bit (NF4) and 8-bit (dynamic map) quantization, bit-compatible with bitsandbytes.
+"""Blockwise 4-bit (NF4) and 8-bit (dynamic map) quantization, bit-compatible with bitsandbytes; and int4.
 
 The converter quantizes a weight once; the streaming runtime dequantizes it on every load, so
 dequantization is the hot path. Where bitsandbytes is installed and its CPU kernels give the same
@@ -7,6 +7,8 @@ chunks of whole blocks (bounded temporary memory, no Python loop over blocks). Q
 ours by default (faster than bitsandbytes' CPU kernels, and the nearest code), so stored bytes
 do not depend on what is installed; `_QUANTIZE_WITH_BNB` switches to bitsandbytes' kernels.
 Codes, packing order and the stored absmax follow bitsandbytes, so either side can read the other's bytes.
+int4 (quant_int4.py) is not theirs: 4-bit integers with a bfloat16 scale per 32 values of a row, laid out for
+the CPU's integer dot products; its tensors go through the same functions here.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from pathlib import Path
 
 import torch
 
+from shardstream import quant_int4
 from shardstream.errors import InvalidOption, StoreCorrupt
 
-METHODS = ("4bit", "8bit")
-DEFAULT_BLOCKSIZE = {"4bit": 64, "8bit": 256}  # bitsandbytes' defaults
+BLOCKWISE = ("4bit", "8bit")   # bitsandbytes' flat blockwise layout, any block size
+METHODS = (*BLOCKWISE, "int4")
+DEFAULT_BLOCKSIZE = {"4bit": 64, "8bit": 256, "int4": quant_int4.BLOCK}  # bitsandbytes' defaults; int4's only size
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _CODES_PER_BYTE = {"4bit": 2, "8bit": 1}
-CODE_BITS = {"4bit": 4, "8bit": 8}
+CODE_BITS = {"4bit": 4, "8bit": 8, "int4": 4}
+SCALE_DTYPES = {"4bit": torch.float32, "8bit": torch.float32, "int4": torch.bfloat16}
 # The products from codes (stream/quant_linear.cpp on the CPU, stream/quant_triton.py on a GPU) round each decoded
 # value to the stored tensor's dtype, as dequantization does; they take that dtype as this number.
 KERNEL_ROUNDING = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -74,13 +79,14 @@ def dynamic_map() -> torch.Tensor:
     return torch.cat(values).sort().values
 
 
-_CODES = {"4bit": NF4_CODE, "8bit": dynamic_map()}
+_CODES = {"4bit": NF4_CODE, "8bit": dynamic_map(), "int4": torch.arange(-8.0, 8.0)}
 # Decision thresholds between neighbouring codes; bucketize (ties go low) picks the nearest code.
 _MIDPOINTS = {method: (code[:-1] + code[1:]) / 2 for method, code in _CODES.items()}
 
 
 def code_table(method: str) -> torch.Tensor:
-    """The float32 value of each code of `method` (16 for 4bit, 256 for 8bit), indexed by code."""
+    """The float32 value of each code of `method` (16 for 4bit and int4, 256 for 8bit), indexed by code: a value
+    is its code's times its block's scale."""
     return _CODES[_method(method)]
 
 
@@ -100,15 +106,15 @@ def _byte_values(method: str) -> torch.Tensor:
     return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1) if method == "4bit" else code.unsqueeze(1)
 
 
-_WORD_VALUES = {method: _word_table(method) for method in METHODS}
+_WORD_VALUES = {method: _word_table(method) for method in BLOCKWISE}
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """One quantized tensor: codes, one float32 absmax per block, and how to undo it (JSON-able)."""
+    """One quantized tensor: codes, one scale per block (SCALE_DTYPES), and how to undo it (JSON-able)."""
 
-    data: torch.Tensor  # uint8, flat; 4bit: ceil(numel/2) bytes, 8bit: numel bytes
-    absmax: torch.Tensor  # float32, ceil(numel / blocksize) values
+    data: torch.Tensor  # uint8, flat; 4bit: ceil(numel/2) bytes, 8bit: numel bytes; int4: quant_int4.code_bytes
+    absmax: torch.Tensor  # float32 absmax, ceil(numel / blocksize) values; int4: bfloat16 signed scales
     meta: dict  # {"method", "blocksize", "shape", "dtype"}
 
 
@@ -145,6 +151,12 @@ def quantize(tensor: torch.Tensor, method: str, blocksize: int | None = None) ->
         raise InvalidOption(
             f"tensor dtype {tensor.dtype} cannot be quantized; pass a float16, bfloat16 or float32 tensor."
         )
+    meta = {"method": method, "blocksize": blocksize, "shape": list(tensor.shape), "dtype": _DTYPE_NAMES[tensor.dtype]}
+    if method == "int4":
+        try:
+            return QuantizedTensor(*quant_int4.quantize(tensor), meta)
+        except ValueError:
+            raise _non_finite() from None
     flat = tensor.detach().cpu().reshape(-1)
     kernels = _bnb_kernels() if _QUANTIZE_WITH_BNB else None
     if kernels is not None and blocksize in _BNB_BLOCKSIZES and flat.numel() > 0:
@@ -156,7 +168,6 @@ def quantize(tensor: torch.Tensor, method: str, blocksize: int | None = None) ->
         finite = True
     if not finite:
         raise _non_finite()
-    meta = {"method": method, "blocksize": blocksize, "shape": list(tensor.shape), "dtype": _DTYPE_NAMES[tensor.dtype]}
     return QuantizedTensor(data=data, absmax=absmax, meta=meta)
 
 
@@ -274,6 +285,8 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     """
     method, blocksize, shape, dtype = _parse_meta(meta)
     n = math.prod(shape)
+    if method == "int4":
+        return _dequantize_int4(data, absmax, shape, dtype, out)
     per_byte = _CODES_PER_BYTE[method]
     _check_array("data", data, torch.uint8, -(-n // per_byte))
     _check_array("absmax", absmax, torch.float32, -(-n // blocksize))
@@ -292,14 +305,28 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     return out.view(shape)
 
 
+def _dequantize_int4(data: torch.Tensor, scales: torch.Tensor, shape: list[int], dtype: torch.dtype,
+                     out: torch.Tensor | None) -> torch.Tensor:
+    _check_array("data", data, torch.uint8, quant_int4.code_bytes(shape))
+    _check_array("absmax", scales, SCALE_DTYPES["int4"], quant_int4.scale_count(shape))
+    n = math.prod(shape)
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=data.device)
+    elif out.dtype != dtype or out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {n} values, got {out.dtype} {tuple(out.shape)}")
+    return quant_int4.dequantize(data.reshape(-1), scales.reshape(-1), shape, out)
+
+
 def dequantize_rows(tensor: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` of a quantized matrix, dequantized (the values `dequantize` gives them): an embedding kept
     packed looks up a pass's tokens without the whole matrix in memory. A row whose blocks it shares with its
     neighbours (blocksize not dividing the row) is cut from the blocks covering it."""
     method, blocksize, shape, dtype = _parse_meta(tensor.meta)
+    rows = rows.reshape(-1).long()
+    if method == "int4":
+        return quant_int4.dequantize_rows(tensor.data.reshape(-1), tensor.absmax.reshape(-1), shape, rows).to(dtype)
     cols = shape[-1]
     per_byte = _CODES_PER_BYTE[method]
-    rows = rows.reshape(-1).long()
     if cols % blocksize == 0 and cols % per_byte == 0:
         data = tensor.data.view(-1, cols // per_byte).index_select(0, rows)
         absmax = tensor.absmax.view(-1, cols // blocksize).index_select(0, rows)
@@ -361,9 +388,12 @@ def relative_error_bound(method: str, dtype: torch.dtype) -> float:
     The nearest code is at most the largest half gap between neighbouring codes away (or, for
     values beyond the outermost code, the distance from +-1 to it: the 8-bit map stops at -0.993).
     Two float32 roundings (x/absmax, code*absmax) and the final cast to `dtype` add less than
-    2 * eps(dtype).
+    2 * eps(dtype). int4: one step (1/8) on the side where its codes stop at 7 steps, plus what rounding
+    the step to bfloat16 (up to a relative 2**-8) moves the 7th.
     """
-    code = _CODES[_method(method)]
+    if _method(method) == "int4":
+        return 1 / 8 + 2**-8 + 2 * torch.finfo(dtype).eps
+    code = _CODES[method]
     gap = max(float((code[1:] - code[:-1]).max()) / 2, float(code[0]) + 1, 1 - float(code[-1]))
     return gap + 2 * torch.finfo(dtype).eps
 
@@ -372,15 +402,17 @@ def max_abs_error_bound(tensor: torch.Tensor, method: str, blocksize: int | None
     """Bound on max |tensor - dequantize(quantize(tensor))|, for the converter's read-back check.
 
     Every block's error is at most its absmax * relative_error_bound, so the tensor's is at most
-    max|tensor| * relative_error_bound; one subnormal step of the dtype covers tiny blocks. The
-    bound does not depend on the block size (only validated here).
+    max|tensor| * relative_error_bound; one subnormal step of the dtype covers tiny blocks (of int4,
+    float32's smallest normal: its bfloat16 scale's subnormal steps). The bound does not depend on
+    the block size (only validated here).
     """
     _blocksize(method, blocksize)
     if tensor.numel() == 0:
         return 0.0
     finfo = torch.finfo(tensor.dtype)
     largest = float(tensor.detach().abs().max())
-    return largest * relative_error_bound(method, tensor.dtype) + finfo.smallest_normal * finfo.eps
+    floor = torch.finfo(torch.float32).smallest_normal if method == "int4" else finfo.smallest_normal * finfo.eps
+    return largest * relative_error_bound(method, tensor.dtype) + floor
 
 
 def _scale_into(out: torch.Tensor, values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> None:
@@ -422,7 +454,7 @@ def _bnb_kernels() -> object | None:
 
         kernels = torch.ops.bitsandbytes
         probe = torch.linspace(-3, 5, 1024)
-        for method in METHODS:
+        for method in BLOCKWISE:
             blocksize = DEFAULT_BLOCKSIZE[method]
             data, absmax = _torch_quantize(probe, method, blocksize)
             bnb_data, bnb_absmax = _bnb_quantize(kernels, probe, method, blocksize)
@@ -450,7 +482,7 @@ def _bnb_library() -> ctypes.CDLL | None:
         path = Path(next(iter(spec.submodule_search_locations))) / f"libbitsandbytes_cpu{suffix}"
         library = ctypes.CDLL(str(path))
         probe = torch.linspace(-3, 5, 1024)
-        for method in METHODS:
+        for method in BLOCKWISE:
             blocksize = DEFAULT_BLOCKSIZE[method]
             data, absmax = _torch_quantize(probe, method, blocksize)
             ours, theirs = torch.empty(probe.numel()), torch.full((probe.numel(),), torch.nan)
@@ -484,10 +516,13 @@ def _method(method: object) -> str:
 
 
 def _blocksize(method: object, blocksize: object) -> int:
-    """The validated block size: positive, and even for 4bit so byte pairs stay inside the tensor's codes."""
+    """The validated block size: positive, and even for 4bit so byte pairs stay inside the tensor's codes;
+    int4's is 32."""
     method = _method(method)
     if blocksize is None:
         return DEFAULT_BLOCKSIZE[method]
+    if method == "int4" and blocksize != quant_int4.BLOCK:
+        raise InvalidOption(f"blocksize of int4 is {quant_int4.BLOCK}, got {blocksize!r}; leave it out.")
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1 or (method == "4bit" and blocksize % 2):
         raise InvalidOption(
             f"blocksize must be a positive integer (even for 4bit), got {blocksize!r}; use e.g. {DEFAULT_BLOCKSIZE[method]}."

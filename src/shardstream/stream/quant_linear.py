@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .. import quant
 from .. import native
+from . import int4_linear
 
 log = logging.getLogger("shardstream.stream")
 
@@ -61,7 +62,7 @@ _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # resident 8-bit block is dequantized once, at load, as before (one stream of the 8-bit reference model with
 # every block in memory: 0.062 s a token dequantized, 0.069 packed); a streamed one, dequantized on every
 # pass otherwise, stays packed.
-PACKED_WHEN_RESIDENT = {"4bit"}
+PACKED_WHEN_RESIDENT = {"4bit", "int4"}
 # On a CUDA GPU, products of up to this many rows run the Triton kernel (quant_triton.py): a decode step, one row
 # a sequence of a batch or the k + 1 a speculative pass checks. Each of its programs decodes its codes for one
 # row, so its work grows with the rows while cuBLAS's product of a dequantized weight barely does: beyond them
@@ -79,6 +80,8 @@ def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | 
     the result rounded once, as the dtype's own product rounds its float32 sums. On a GPU, by the Triton kernel
     with the same values (`uses_triton`), else dequantized there and multiplied in x's dtype."""
     meta = weight.meta
+    if meta["method"] == "int4":
+        return int4_linear.linear(x, weight, bias)
     out_features, in_features = meta["shape"]
     if x.device.type != "cpu":
         if uses_triton(x.numel() // in_features, x.dtype, x.device):
@@ -116,7 +119,9 @@ def few_rows(rows: int, dtype: torch.dtype) -> bool:
 def packable(meta: dict | None, device: torch.device = torch.device("cpu")) -> bool:
     """Whether a stored tensor can stay packed for `linear` on `device`: a 4-bit or 8-bit matrix (of a float32,
     bfloat16 or float16 tensor) whose rows are whole 16-value chunks, where a kernel runs: this module's on the
-    CPU, quant_triton's on a CUDA GPU (`SHARDSTREAM_TRITON=0` switches that one off)."""
+    CPU, quant_triton's on a CUDA GPU (`SHARDSTREAM_TRITON=0` switches that one off); int4: int4_linear's."""
+    if meta and meta.get("method") == "int4":
+        return int4_linear.packable(meta, device)
     if not meta or meta.get("method") not in BITS or meta.get("dtype") not in ROUND or len(meta.get("shape", ())) != 2:
         return False
     if meta["shape"][1] % 16 or meta["blocksize"] % 16:

@@ -48,6 +48,7 @@ except ImportError as error:   # an optional dependency (pyproject's `gpu` extra
 log = logging.getLogger("shardstream.stream")
 
 SWITCH = "SHARDSTREAM_TRITON"
+METHODS = quant.BLOCKWISE   # the codes it reads: NF4's and 8-bit's flat blocks (int4 is dequantized on a GPU)
 OUTPUT = {quant.DTYPES[name]: code for name, code in ROUND.items()}   # x's dtype (the output's), coded as ROUND
 # 16 columns a program: a 2048-wide output is 128 programs a row, about one per SM of an H100; 256 weights of
 # each column a step (128 pairs: 8 a thread of 4 warps). Chosen, not tuned: unmeasured on a GPU so far.
@@ -115,6 +116,8 @@ def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | 
     in x's dtype (float32, bfloat16 or float16), x, codes, scales and bias on one device: a CUDA GPU (or the
     CPU under TRITON_INTERPRET=1)."""
     meta = weight.meta
+    if meta["method"] not in METHODS:
+        raise ValueError(f"the Triton kernel reads {', '.join(METHODS)} codes, not {meta['method']}; dequantize them")
     out_features, in_features = meta["shape"]
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:

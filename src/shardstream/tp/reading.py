@@ -7,9 +7,9 @@ every byte read is counted (`bytes_read`), so a test can hold a rank to its shar
 A quantized weight is stored as codes blockwise over the flattened tensor (quant.py), one absmax
 per block: a share whose element ranges all start and end on block boundaries is read as its codes
 and scales and stays quantized (a row share, when a block does not cross rows; a column share whose
-columns are a multiple of the block size). Any other share is read whole, dequantized and sliced:
-the rank then holds it dequantized, in the checkpoint's dtype (e.g. an 8-bit down_proj whose rank
-columns are not a multiple of 256).
+columns are a multiple of the block size). Any other share, and any share of an int4 weight (its
+codes interleave 16 rows), is read whole, dequantized and sliced: the rank then holds it dequantized,
+in the checkpoint's dtype (e.g. an 8-bit down_proj whose rank columns are not a multiple of 256).
 
 The part file's checksum covers all of it and cannot be checked from a share; the rank's own files
 are checksummed as they are written (rankstore.py).
@@ -55,7 +55,10 @@ def share_shape(shape: list[int], share: Take) -> list[int]:
 
 
 def on_blocks(record: TensorRecord, ranges: list[tuple[int, int]]) -> bool:
-    """Whether every range starts and ends on a quantization block boundary (or at the tensor's end)."""
+    """Whether every range starts and ends on a quantization block boundary (or at the tensor's end) of a
+    flat blockwise method (int4's codes interleave 16 rows, quant_int4.py: its shares are never cut from them)."""
+    if record.quant["method"] not in quant.BLOCKWISE:
+        return False
     size, total = record.quant["blocksize"], prod(record.quant["shape"])
     return all(start % size == 0 and (stop % size == 0 or stop == total) for start, stop in ranges)
 
@@ -81,7 +84,7 @@ class ShareReader:
             return buffer, {"offset": scale_bytes, "dtype": record.dtype, "shape": [len(buffer) - scale_bytes],
                             "quant": quantized}
         if record.quant:   # the share cuts through blocks: the whole tensor's codes, dequantized, then sliced
-            buffer, scale_bytes = self._codes(record, element_ranges(shape, Take(None)))
+            buffer, scale_bytes = self._stored(record)
             scales = torch.frombuffer(buffer, dtype=TORCH_DTYPES[record.quant["absmax"]["dtype"]],
                                       count=scale_bytes // _scale_item(record))
             codes = torch.frombuffer(buffer, dtype=torch.uint8, offset=scale_bytes, count=len(buffer) - scale_bytes)
@@ -105,6 +108,15 @@ class ShareReader:
         self._read(record, scale_spans, view[:scale_bytes])
         self._read(record, code_spans, view[scale_bytes:])
         return buffer, scale_bytes
+
+    def _stored(self, record: TensorRecord) -> tuple[bytearray, int]:
+        """All of a quantized tensor's scales, then its codes, in one buffer; and the scales' length in bytes."""
+        scales = record.quant["absmax"]
+        buffer = bytearray(scales["length"] + record.length)
+        view = memoryview(buffer)
+        self._read(record, [(scales["offset"], scales["length"])], view[:scales["length"]])
+        self._read(record, [(record.offset, record.length)], view[scales["length"]:])
+        return buffer, scales["length"]
 
     def _read(self, record: TensorRecord, spans: list[tuple[int, int]], into: bytearray | memoryview) -> None:
         read_spans(self.store.file_path(record.file), spans, memoryview(into))
