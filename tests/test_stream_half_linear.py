@@ -18,7 +18,7 @@ from avx2_build import needs_avx2, run_as_avx2
 needs_kernel = pytest.mark.skipif(not half_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 DTYPES = [torch.bfloat16, torch.float16]
 # (out_features, in_features): whole 16-value chunks, and widths that end in a partial chunk of either build
-SHAPES = [(40, 96), (67, 33), (13, 256), (5, 7), (9, 2049)]
+SHAPES = [(40, 96), (67, 33), (13, 256), (5, 7), (9, 2049), (3, 0)]
 
 
 def _weight(out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -53,7 +53,7 @@ def test_the_kernel_matches_the_float_product_and_a_row_keeps_its_bits_in_any_ba
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, _reference(x, weight, bias), rtol=1e-5, atol=1e-5)
     alone = torch.cat([half_linear.linear(x[i:i + 1], weight, bias) for i in range(min(rows, 9))])
-    assert torch.equal(got[:len(alone)], alone)   # few rows widen in registers, from BUFFER_ROWS on through a buffer
+    assert torch.equal(got[:len(alone)], alone)   # 512 rows are several blocks of rows, a panel of columns at a time
     in_a_bigger_batch = half_linear.linear(torch.cat([torch.randn(20, in_features), x]), weight, bias)[20:]
     assert torch.equal(got, in_a_bigger_batch)
 
@@ -103,7 +103,7 @@ def test_what_linear_takes():
     assert not half_linear.supports(weight.float(), torch.float32)
     assert not half_linear.supports(weight.t(), torch.float32)   # rows not contiguous
     assert not half_linear.supports(weight.view(2, 4, 32), torch.float32)
-    with pytest.raises(ValueError, match="half_linear takes a float32 x"):
+    with pytest.raises(ValueError, match="half_linear takes a float32 CPU x"):
         half_linear.linear(torch.randn(2, 32, dtype=torch.bfloat16), weight, None)
 
 

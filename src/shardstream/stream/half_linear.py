@@ -5,9 +5,10 @@ converting a weight into a float32 copy to multiply it doubles its bytes in memo
 16-bit values in float32 math instead: quant_linear.cpp widens 16 of them at a time in registers (bfloat16:
 a shift; float16: the F16C conversion) and multiplies them in at once, as it does 4-bit codes, through the
 same tiles and the same fixed order of sums, so a row's product is the same bits alone or in any batch.
-From `BUFFER_ROWS` rows on (a prefill), each group of output columns is widened once into a small buffer
-that every row then reads. docs/BENCHMARKS.md ("Products from bf16/fp16 weights on the CPU") has the
-speeds beside torch's.
+Every thread multiplies a panel of its output columns, sized for the L2 cache, by x a block of rows at a
+time, and widens the values in registers at every row count: read from L2 at half the bytes, they beat a
+float32 buffer of them. docs/BENCHMARKS.md ("Products from bf16/fp16 weights on the CPU") has the speeds
+beside torch's.
 
 Where the kernel cannot run (no AVX-512 or AVX2, no C++ compiler, or `SHARDSTREAM_HALF_KERNEL=0`), the
 weight is converted `TILE_BYTES` at a time into a reused float32 buffer and multiplied by `F.linear`: the
@@ -30,9 +31,6 @@ log = logging.getLogger("shardstream.stream")
 
 SWITCH = "SHARDSTREAM_HALF_KERNEL"
 FORMATS = {torch.bfloat16: 1, torch.float16: 2}   # the weight dtypes the kernel reads, by its code for them
-# From this many rows on, a column group's weights are widened once into a buffer rather than once per
-# tile of rows (benchmarks/kernels.py compares the two).
-BUFFER_ROWS = 16
 # The fallback's float32 buffer: a few cache-sized megabytes of weight rows at a time.
 TILE_BYTES = 4 << 20
 
@@ -41,11 +39,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """`F.linear(x, weight.float(), bias)` for a float32 `x` (any leading dims, any strides) and a 2-D
     bfloat16 or float16 CPU `weight` (N x K, each row contiguous, rows any distance apart: a view into a
     bigger buffer does), in float32, without a float32 copy of `weight` (`supports` says what it takes)."""
-    if not supports(weight, x.dtype):
-        raise ValueError(f"half_linear takes a float32 x and a 2-D bfloat16/float16 CPU weight with contiguous "
-                         f"rows, not x {x.dtype} and weight {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if not supports(weight, x.dtype) or x.device.type != "cpu":
+        raise ValueError(f"half_linear takes a float32 CPU x and a 2-D bfloat16/float16 CPU weight with contiguous "
+                         f"rows, not x {x.dtype} on {x.device} and weight {weight.dtype} {tuple(weight.shape)} on "
+                         f"{weight.device}")
     out_features, in_features = weight.shape
-    flat = x.reshape(-1, in_features)
+    flat = x.reshape(x.shape[:-1].numel(), in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     library = _library()
@@ -54,8 +53,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     else:
         out = torch.empty(flat.shape[0], out_features)
         library.half_linear(flat.data_ptr(), flat.shape[0], in_features, flat.stride(0), weight.data_ptr(),
-                            weight.stride(0), out_features, out.data_ptr(), out.stride(0), BUFFER_ROWS,
-                            FORMATS[weight.dtype])
+                            weight.stride(0), out_features, out.data_ptr(), out.stride(0), FORMATS[weight.dtype])
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)

@@ -158,6 +158,6 @@ def load_library(what: str, switch: str, without: str) -> ctypes.CDLL | None:
         library.quant_linear.argtypes = [pointer, i64, i64, i64, pointer, pointer, i64, i64, pointer, pointer, i64,
                                          i64, i64, i64]
         library.quant_linear.restype = None
-        library.half_linear.argtypes = [pointer, i64, i64, i64, pointer, i64, i64, pointer, i64, i64, i64]
+        library.half_linear.argtypes = [pointer, i64, i64, i64, pointer, i64, i64, pointer, i64, i64]
         library.half_linear.restype = None
     return library
