@@ -1,8 +1,11 @@
 """Products from bfloat16 weights on the CPU: stream/half_linear.py's kernel against torch's products.
 
-Run: `PYTHONPATH=src .venv/bin/python benchmarks/kernels.py [--rounds 3] [--shapes mlp-up head] [--rows 1 7 64 512]`.
-Prints the CPU's bfloat16 flags, then a markdown table per weight shape: for each row count, the ms and GFLOP/s
-of each setting, the median of `--rounds` rounds (each the best of a few calls) with the rounds' spread.
+Run: `PYTHONPATH=src .venv/bin/python benchmarks/kernels.py [--rounds 3] [--shapes mlp-up head] [--rows 1 7 64 512]
+[--threads 1 --cpu-time]`. Prints the CPU's bfloat16 flags, then a markdown table per weight shape: for each row
+count, the ms and GFLOP/s of each setting, the median of `--rounds` rounds (each the best of a few calls), and
+the kernel's speed-up over torch's float32 product per round. On a machine shared with other work, `--threads 1
+--cpu-time` times each product by the CPU time of the one thread that runs it, which other processes do not
+inflate (they still share the caches and memory).
 
 Each setting runs in a worker process of its own, since torch reads the variables that pick its paths once:
 - `avx512`: torch's AVX-512 kernels, oneDNN limited to AVX512_CORE (`ONEDNN_MAX_CPU_ISA`): torch's bfloat16
@@ -63,14 +66,19 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 7, 64, 512])
     parser.add_argument("--settings", nargs="+", choices=[title for title, _, _ in SETTINGS],
                         default=[title for title, _, _ in SETTINGS])
+    parser.add_argument("--threads", type=int, help="torch's threads in each worker (default: torch's choice)")
+    parser.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (with --threads 1)")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time measures one thread: add --threads 1")
     if args.worker:
-        return serve()
+        return serve(args.threads, time.thread_time if args.cpu_time else time.perf_counter)
     settings = [s for s in SETTINGS if s[0] in args.settings]
-    workers = {name: start_worker(name) for name in dict.fromkeys(worker for _, worker, _ in settings)}
+    options = [f"--threads={args.threads}"] * bool(args.threads) + ["--cpu-time"] * args.cpu_time
+    workers = {name: start_worker(name, options) for name in dict.fromkeys(worker for _, worker, _ in settings)}
     print(f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, torch threads {workers_threads(workers)}, "
-          f"Python {platform.python_version()}")
+          f"{'CPU time of the thread' if args.cpu_time else 'wall time'}, Python {platform.python_version()}")
     print(f"CPU flags: {', '.join(flag for flag in CPU_FLAGS if flag in cpu_flags()) or 'none of ' + str(CPU_FLAGS)}")
     for name, worker in workers.items():
         info = worker["info"]
@@ -105,9 +113,9 @@ def main() -> None:
         worker["process"].wait()
 
 
-def start_worker(name: str) -> dict:
+def start_worker(name: str, options: list[str]) -> dict:
     env = {**os.environ, **WORKERS[name]}
-    process = subprocess.Popen([sys.executable, __file__, "--worker", name], stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, __file__, "--worker", name, *options], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, env=env)
     return {"process": process, "info": json.loads(process.stdout.readline())}
 
@@ -123,13 +131,15 @@ def workers_threads(workers: dict) -> str:
     return ", ".join(sorted({str(worker["info"]["threads"]) for worker in workers.values()}))
 
 
-def serve() -> None:
-    """A worker: reports its paths, then times the products asked on stdin, one line each."""
+def serve(threads: int | None, clock) -> None:
+    """A worker: reports its paths, then times the products asked on stdin, one line each, by `clock`."""
     import torch
     import torch.nn.functional as F
 
     from shardstream.stream import half_linear
 
+    if threads:
+        torch.set_num_threads(threads)
     weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def product(out_features: int, in_features: int, rows: int, kind: str):
@@ -156,9 +166,9 @@ def serve() -> None:
         run()
         calls, best, start = 0, float("inf"), time.perf_counter()
         while calls < MAX_CALLS and (calls == 0 or time.perf_counter() - start < MIN_SECONDS):
-            began = time.perf_counter()
+            began = clock()
             run()
-            best = min(best, time.perf_counter() - began)
+            best = min(best, clock() - began)
             calls += 1
         print(best, flush=True)
 

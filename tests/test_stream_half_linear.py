@@ -152,3 +152,34 @@ def test_no_float32_copy_of_the_weight_is_made(kernel):
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert int(run.stdout) < 64   # MiB
+
+
+@needs_kernel
+def test_the_log_says_the_kernel_runs(caplog):
+    half_linear._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="shardstream.stream"):
+            assert half_linear.available()
+    finally:
+        half_linear._library.cache_clear()
+    assert f"half-precision weight kernel: on ({torch.backends.cpu.get_cpu_capability()} build)" in caplog.text
+
+
+WITHOUT_COMPILER = """
+import logging, torch
+logging.basicConfig(level=logging.INFO, format='%(message)s')
+from shardstream.stream import half_linear
+weight, x = torch.randn(5, 40).to(torch.bfloat16), torch.randn(3, 40)
+torch.testing.assert_close(half_linear.linear(x, weight, None), x @ weight.float().t(), rtol=1e-5, atol=1e-5)
+print(half_linear.available())
+"""
+
+
+def test_without_a_working_compiler_the_fallback_runs_and_the_log_says_why(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    run = subprocess.run([sys.executable, "-c", WITHOUT_COMPILER], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "half-precision weight kernel: off (building quant_linear.cpp failed" in run.stderr
+        assert "converted to float32 a few MB at a time" in run.stderr

@@ -18,9 +18,9 @@ log says which path runs and why.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ def _tiled(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _library():
+def _library() -> ctypes.CDLL | None:
     without = ("bfloat16/float16 weights are converted to float32 a few MB at a time for each product "
                "(slower than the kernel, no bigger in memory)")
     library = quant_linear.load_library("half-precision weight kernel", SWITCH, without)

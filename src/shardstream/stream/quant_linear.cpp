@@ -316,6 +316,11 @@ void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_
   if constexpr (kLanes == 16) {
     if ((M == 7 || M == 8) && M < buffer_rows) return by_groups<3, 8>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }
+  // One row of a 16-bit weight, a product bound by reading it: tiles of 8 columns, which keep more loads in
+  // flight than 4 and read it faster (benchmarks/kernels.py).
+  if constexpr (W::kBits == 16) {
+    if (M == 1) return by_groups<8, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
+  }
   by_groups<kColumns, kRows>(x, M, K, xs, w, N, y, ys, buffer_rows);
 }
 
