@@ -288,19 +288,23 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
   const bool buffered = M >= buffer_rows;
   const int64_t block = std::max<int64_t>(1, kRowBlockBytes / (stride * sizeof(float)) / R) * R;
   // One block of rows stays in cache whatever the panel: then a panel of one group, read while in L1.
-  const int64_t panel = M <= block ? 1 : std::max<int64_t>(1, kPanelBytes * 8 / (C * stride * (buffered ? 32 : W::kBits)));
+  const int64_t panel_bits = C * stride * (buffered ? 32 : W::kBits);
+  const int64_t panel = M <= block ? 1 : std::max<int64_t>(1, kPanelBytes * 8 / panel_bits);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(buffered ? std::min(panel, end - begin) * C * stride : 0);
     for (int64_t first = begin; first < end; first += panel) {
       const int64_t last = std::min(end, first + panel);
       if (buffered)
-        for (int64_t g = first; g < last; ++g) decode_group<C>(w, g * C, K, stride, buffer.data() + (g - first) * C * stride);
+        for (int64_t g = first; g < last; ++g)
+          decode_group<C>(w, g * C, K, stride, buffer.data() + (g - first) * C * stride);
       for (int64_t m = 0; m < M; m += block) {
         const int64_t count = std::min(block, M - m);
         for (int64_t g = first; g < last; ++g) {
           float* out = y + m * ys + g * C;
-          if (buffered) rows<C, R>(x + m * xs, count, xs, FromBuffer{buffer.data() + (g - first) * C * stride, stride}, K, out, ys);
-          else rows<C, R>(x + m * xs, count, xs, FromCodes<W>{w, g * C}, K, out, ys);
+          if (buffered)
+            rows<C, R>(x + m * xs, count, xs, FromBuffer{buffer.data() + (g - first) * C * stride, stride}, K, out, ys);
+          else
+            rows<C, R>(x + m * xs, count, xs, FromCodes<W>{w, g * C}, K, out, ys);
         }
       }
     }
