@@ -21,6 +21,7 @@ from shardstream.store import open_store
 from shardstream.native import find_compiler
 from counting import linear_dequantizations
 from tiny_models import save_checkpoint
+from avx2_build import needs_avx2, run_as_avx2
 
 needs_kernel = pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 
@@ -102,15 +103,11 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or find_compiler() is None,
-                    reason="no AVX2 here, or no compiler")
+@needs_avx2
 def test_the_avx2_build_gives_the_same_products(tmp_path):
     """Where torch reports AVX2 (forced here with ATEN_CPU_CAPABILITY on an AVX-512 machine), the kernel is
     built for 8-lane vectors, with the same guarantees."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "XDG_CACHE_HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "ok"
+    assert run_as_avx2(AVX2_CHECK, tmp_path) == "ok"
 
 
 def test_what_the_kernel_cannot_take_is_not_packed():

@@ -1,25 +1,33 @@
-// y = x @ Wᵀ for a quantized weight W, decoded 16 values at a time inside the product (see quant_linear.py).
+// y = x @ Wᵀ for a quantized or 16-bit weight W, decoded 16 values at a time inside the product (see
+// quant_linear.py and half_linear.py).
 //
-// W is N x K, stored flat in bitsandbytes' layout: 4-bit NF4, two codes a byte (the first in the high
-// nibble), or 8-bit, one code a byte; one float32 absmax per `blocksize` values; value = table[code] *
+// A quantized W is N x K, stored flat in bitsandbytes' layout: 4-bit NF4, two codes a byte (the first in the
+// high nibble), or 8-bit, one code a byte; one float32 absmax per `blocksize` values; value = table[code] *
 // absmax, the same float32 product that dequantization writes; for a bfloat16 or float16 weight (`round`
 // 1 or 2) that product rounded to the weight's dtype, to nearest even, as dequantization's cast does, so
-// the values multiplied are the dequantized weight's. Every output y[m][n] is one sum, always
-// in the same order whatever the number of rows: each lane accumulates x[m][k] * W[n][k] over its k
-// with fused multiply-adds, k ascending, then the lanes are added in a fixed tree. So a row gives the
+// the values multiplied are the dequantized weight's. A bfloat16 or float16 W (half_linear) is read as
+// stored, N rows of K values `ws` apart, each value widened to float32 exactly. Every output y[m][n] is one
+// sum, always in the same order whatever the number of rows: each lane accumulates x[m][k] * W[n][k] over
+// its k with fused multiply-adds, k ascending, then the lanes are added in a fixed tree. So a row gives the
 // same bits alone or in any batch.
 //
-// Work is split over torch's threads by groups of output columns. For fewer than `buffer_rows` rows,
-// each group decodes its weights into registers; from then on, it decodes the group's weights once
-// into a small buffer, then every row reads them from L1/L2. Built for AVX-512F (16 lanes, tiles of 6
-// rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has no AVX-512, AVX2 + FMA (8 lanes, 3 x 3 tiles): quant_linear.py
-// picks the flags. A 4-bit code is looked up in registers (AVX2: two 8-entry halves), an 8-bit one
-// gathered from its 256-entry table. K and blocksize are multiples of 16.
+// Work is split over torch's threads by groups of output columns, and each thread multiplies a panel of its
+// groups by x a block of rows at a time, both sized for the L2 cache. For fewer than `buffer_rows` rows
+// (a 16-bit W: any number), each tile decodes its weights into registers; from then on, each panel is
+// decoded once into a buffer that every row reads.
+// Built for AVX-512F (16 lanes, tiles of 6 rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has
+// no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
+// looked up in registers (AVX2: two 8-entry halves), an 8-bit one gathered from its 256-entry table; a
+// bfloat16 value is shifted into a float32's high half, a float16 one converted. A quantized W's K and
+// blocksize are multiples of 16; a 16-bit W's K is any: the last K % 16 (AVX2: K % 8) values of each row of
+// W and of x are read into a zero-padded chunk, summed last.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -61,6 +69,14 @@ inline Vec round_bf16(Vec v) {
 }
 inline Vec round_fp16(Vec v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 
+// 16 bfloat16 (Format 1) or float16 (Format 2) values as float32, exactly.
+template <int Format>
+inline Vec widen(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (Format == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  else return _mm512_cvtph_ps(half);
+}
+
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -69,7 +85,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 #else
 constexpr int kColumns = 3;
-constexpr int kRows = 3;
+constexpr int kRows = 4;
 constexpr int kLanes = 8;
 using Vec = __m256;
 
@@ -107,6 +123,13 @@ inline Vec round_bf16(Vec v) {
 }
 inline Vec round_fp16(Vec v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 
+template <int Format>
+inline Vec widen(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (Format == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  else return _mm256_cvtph_ps(half);
+}
+
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -119,8 +142,18 @@ inline float sum(Vec v) {
 }
 #endif
 
+// The first `count` (< kLanes) values from p, then zeros: a row's last, partial chunk.
+template <class T>
+inline const T* padded(const T* p, int64_t count, T (&tail)[kLanes]) {
+  std::memset(tail, 0, sizeof tail);
+  std::memcpy(tail, p, count * sizeof(T));
+  return tail;
+}
+
 template <int Bits, int Round>
 struct Weight {
+  static constexpr bool kPartialChunks = false;   // K is whole chunks (quant_linear.packable)
+  static constexpr int kBits = Bits;
   const uint8_t* codes;
   const float* absmax;
   int64_t K;
@@ -139,30 +172,67 @@ struct Weight {
   }
 };
 
-// Where a tile's weights come from: decoded on the fly, or from a group's decoded buffer.
+// A bfloat16 (Format 1) or float16 (Format 2) weight as stored: row n at data + n * stride.
+template <int Format>
+struct HalfWeight {
+  static constexpr bool kPartialChunks = true;
+  static constexpr int kBits = 16;
+  const uint16_t* data;
+  int64_t stride;
+  int64_t K;
+
+  inline Vec chunk(int64_t n, int64_t k) const { return widen<Format>(data + n * stride + k); }
+  inline Vec partial(int64_t n, int64_t k) const {
+    uint16_t tail[kLanes];
+    return widen<Format>(padded(data + n * stride + k, K - k, tail));
+  }
+};
+
+// Where a tile's weights come from: decoded on the fly, or from a group's decoded buffer (rows `stride`
+// apart, each zero-padded to whole chunks).
 template <class W>
 struct FromCodes {
+  static constexpr bool kPartialChunks = W::kPartialChunks;
   const W& w;
   int64_t n0;
   inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c, k); }
+  inline Vec partial(int c, int64_t k) const { return w.partial(n0 + c, k); }
 };
 struct FromBuffer {
+  static constexpr bool kPartialChunks = true;
   const float* buffer;
-  int64_t K;
-  inline Vec operator()(int c, int64_t k) const { return load(buffer + c * K + k); }
+  int64_t stride;
+  inline Vec operator()(int c, int64_t k) const { return load(buffer + c * stride + k); }
+  inline Vec partial(int c, int64_t k) const { return load(buffer + c * stride + k); }
 };
 
+// Not inlined: a tile is a whole loop over K, and inlined into its callers its accumulators can lose registers.
 template <int R, int C, class Source>
-void tile(const float* x, int64_t xs, const Source& source, int64_t K, float* y, int64_t ys) {
+[[gnu::noinline]] void tile(const float* x, int64_t xs, const Source& source, int64_t K, float* y, int64_t ys) {
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t k = 0; k < K; k += kLanes) {
+  // One step of k: C chunks of weights, each against R rows' chunks of x.
+  const auto step = [&](const Vec (&w)[C], auto x_chunk) {
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = x_chunk(r);
+      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, w[c], acc[r][c]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
     Vec w[C];
     for (int c = 0; c < C; ++c) w[c] = source(c, k);
-    for (int r = 0; r < R; ++r) {
-      const Vec xv = load(x + r * xs + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, w[c], acc[r][c]);
+    step(w, [&](int r) { return load(x + r * xs + k); });
+  }
+  if constexpr (Source::kPartialChunks) {
+    if (k < K) {
+      Vec w[C];
+      for (int c = 0; c < C; ++c) w[c] = source.partial(c, k);
+      step(w, [&](int r) {
+        float tail[kLanes];
+        return load(padded(x + r * xs + k, K - k, tail));
+      });
     }
   }
   for (int r = 0; r < R; ++r)
@@ -188,46 +258,88 @@ void rows(const float* x, int64_t M, int64_t xs, const Source& source, int64_t K
   }
 }
 
-// Every group of C output columns against all M rows, in tiles of R rows, the groups split over threads.
+// The group of C output columns from column n on, decoded into `buffer`: row c at c * stride, zero-padded.
+template <int C, class W>
+void decode_group(const W& w, int64_t n, int64_t K, int64_t stride, float* buffer) {
+  for (int c = 0; c < C; ++c) {
+    float* row = buffer + c * stride;
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) store(row + k, w.chunk(n + c, k));
+    if constexpr (W::kPartialChunks) {
+      if (k < K) store(row + k, w.partial(n + c, k));
+    }
+  }
+}
+
+// Sizes that keep a product's working set in each core's L2 cache: a panel of column groups (the bytes its
+// tiles read: the weights as stored, or their float32 values in a buffer), multiplied by x a block of rows
+// at a time. The panel is the larger, so that x, read again for each panel, is read fewer times.
+constexpr int64_t kPanelBytes = 512 << 10;
+constexpr int64_t kRowBlockBytes = 96 << 10;
+
+// Every group of C output columns against all M rows, in tiles of R rows, the groups split over threads, a
+// panel of them against a block of rows at a time. For fewer than `buffer_rows` rows, each tile decodes its
+// weights into registers; from then on, each panel is decoded once into a buffer that all rows read.
 template <int C, int R, class W>
 void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_t N, float* y, int64_t ys,
                int64_t buffer_rows) {
   const int64_t groups = N / C;
-  at::parallel_for(0, groups + N % C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(M >= buffer_rows ? C * K : 0);
-    for (int64_t g = begin; g < end; ++g) {
-      if (g >= groups) {  // the last N % C columns, one at a time
-        const int64_t n = groups * C + (g - groups);
-        rows<1, R>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);
-      } else if (buffer.empty()) {
-        rows<C, R>(x, M, xs, FromCodes<W>{w, g * C}, K, y + g * C, ys);
-      } else {
-        for (int c = 0; c < C; ++c)
-          for (int64_t k = 0; k < K; k += kLanes) store(buffer.data() + c * K + k, w.chunk(g * C + c, k));
-        rows<C, R>(x, M, xs, FromBuffer{buffer.data(), K}, K, y + g * C, ys);
+  const int64_t stride = std::max<int64_t>(kLanes, (K + kLanes - 1) / kLanes * kLanes);
+  const bool buffered = M >= buffer_rows;
+  const int64_t block = std::max<int64_t>(1, kRowBlockBytes / (stride * sizeof(float)) / R) * R;
+  // One block of rows stays in cache whatever the panel: then a panel of one group, read while in L1.
+  const int64_t panel_bits = C * stride * (buffered ? 32 : W::kBits);
+  const int64_t panel = M <= block ? 1 : std::max<int64_t>(1, kPanelBytes * 8 / panel_bits);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(buffered ? std::min(panel, end - begin) * C * stride : 0);
+    for (int64_t first = begin; first < end; first += panel) {
+      const int64_t last = std::min(end, first + panel);
+      if (buffered)
+        for (int64_t g = first; g < last; ++g)
+          decode_group<C>(w, g * C, K, stride, buffer.data() + (g - first) * C * stride);
+      for (int64_t m = 0; m < M; m += block) {
+        const int64_t count = std::min(block, M - m);
+        for (int64_t g = first; g < last; ++g) {
+          float* out = y + m * ys + g * C;
+          if (buffered)
+            rows<C, R>(x + m * xs, count, xs, FromBuffer{buffer.data() + (g - first) * C * stride, stride}, K, out, ys);
+          else
+            rows<C, R>(x + m * xs, count, xs, FromCodes<W>{w, g * C}, K, out, ys);
+        }
       }
     }
   });
+  for (int64_t n = groups * C; n < N; ++n) rows<1, R>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);   // the last N % C
 }
 
-template <int Bits, int Round>
-void linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax, int64_t N,
-            int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
-  const Weight<Bits, Round> w{codes, absmax, K, blocksize, Table(table)};
+template <class W>
+void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_t N, float* y, int64_t ys,
+            int64_t buffer_rows) {
   // 7 or 8 rows decoding in registers (a batch of 8's decode step): one tile of 8 x 3 rather than two of
   // 6 x 4, which decode every weight twice (AVX-512, 4-bit, 8 rows: 0.30 against 0.39 ms per 2816 x 1024).
   if constexpr (kLanes == 16) {
     if ((M == 7 || M == 8) && M < buffer_rows) return by_groups<3, 8>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }
+  // One row of a 16-bit weight, a product bound by reading it: tiles of 8 columns, which keep more loads in
+  // flight than 4 and read it faster (benchmarks/kernels.py).
+  if constexpr (W::kBits == 16) {
+    if (M == 1) return by_groups<8, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
+  }
   by_groups<kColumns, kRows>(x, M, K, xs, w, N, y, ys, buffer_rows);
+}
+
+template <int Bits, int Round>
+void quantized(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax,
+               int64_t N, int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
+  linear(x, M, K, xs, Weight<Bits, Round>{codes, absmax, K, blocksize, Table(table)}, N, y, ys, buffer_rows);
 }
 
 template <int Bits>
 void rounded(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax, int64_t N,
              int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows, int64_t round) {
-  if (round == 1) linear<Bits, 1>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
-  else if (round == 2) linear<Bits, 2>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
-  else linear<Bits, 0>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  if (round == 1) quantized<Bits, 1>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  else if (round == 2) quantized<Bits, 2>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
+  else quantized<Bits, 0>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows);
 }
 
 }  // namespace
@@ -239,4 +351,14 @@ extern "C" void quant_linear(const float* x, int64_t M, int64_t K, int64_t xs, c
                              int64_t ys, int64_t buffer_rows, int64_t bits, int64_t round) {
   if (bits == 4) rounded<4>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows, round);
   else rounded<8>(x, M, K, xs, codes, absmax, N, blocksize, table, y, ys, buffer_rows, round);
+}
+
+// The same for a bfloat16 (`format` 1) or float16 (2) weight: N rows of K values, `ws` apart. Its values are
+// widened in registers at every row count, never through a float32 buffer: read from a panel in L2, half the
+// buffer's bytes, they are multiplied as fast or faster (benchmarks/kernels.py).
+extern "C" void half_linear(const float* x, int64_t M, int64_t K, int64_t xs, const uint16_t* w, int64_t ws,
+                            int64_t N, float* y, int64_t ys, int64_t format) {
+  constexpr int64_t never = std::numeric_limits<int64_t>::max();
+  if (format == 1) linear(x, M, K, xs, HalfWeight<1>{w, ws, K}, N, y, ys, never);
+  else linear(x, M, K, xs, HalfWeight<2>{w, ws, K}, N, y, ys, never);
 }

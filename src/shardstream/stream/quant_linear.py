@@ -140,21 +140,29 @@ def available() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    without = ("quantized weights are dequantized on every pass "
-               "(one stream of a 4-bit store runs about 2x slower, of an 8-bit one 1.5x)")
-    if os.environ.get(SWITCH, "1") == "0":
-        log.info("quantized-weight kernel: off (%s=0): %s", SWITCH, without)
+    return load_library("quantized-weight kernel", SWITCH,
+                        "quantized weights are dequantized on every pass "
+                        "(one stream of a 4-bit store runs about 2x slower, of an 8-bit one 1.5x)")
+
+
+def load_library(what: str, switch: str, without: str) -> ctypes.CDLL | None:
+    """quant_linear.cpp built for the widest vectors torch's CPU capability reports, and loaded; None where
+    `switch` is "0" in the environment or it cannot be built, after an INFO line "`what`: off (why): `without`".
+    It serves this module's products and half_linear.py's, each with its own switch and log line."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s: off (%s=0): %s", what, switch, without)
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ISA_FLAGS:
-        log.info("quantized-weight kernel: off (this CPU has neither AVX-512 nor AVX2: torch reports %s): %s",
-                 capability, without)
+        log.info("%s: off (this CPU has neither AVX-512 nor AVX2: torch reports %s): %s", what, capability, without)
         return None
-    library = native.build(SOURCE, ["-O3", *ISA_FLAGS[capability], "-fopenmp"], ["c10", "torch_cpu"], log,
-                           "quantized-weight kernel", without)
+    library = native.build(SOURCE, ["-O3", *ISA_FLAGS[capability], "-fopenmp"], ["c10", "torch_cpu"], log, what,
+                           without)
     if library is not None:
         i64, pointer = ctypes.c_int64, ctypes.c_void_p
         library.quant_linear.argtypes = [pointer, i64, i64, i64, pointer, pointer, i64, i64, pointer, pointer, i64,
                                          i64, i64, i64]
         library.quant_linear.restype = None
+        library.half_linear.argtypes = [pointer, i64, i64, i64, pointer, i64, i64, pointer, i64, i64]
+        library.half_linear.restype = None
     return library
