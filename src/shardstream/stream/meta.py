@@ -34,6 +34,11 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
     return model.eval()
 
 
+def checkpoint_dtype(store: Store) -> torch.dtype:
+    """The dtype the store's checkpoint was saved in (its config's), whatever the model computes in."""
+    return config_dtype(AutoConfig.from_pretrained(store.root))
+
+
 def config_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
