@@ -203,12 +203,14 @@ def run_one(mode: str, args) -> dict:
     if streaming and model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
         experts = model.experts.count * model.experts.expert_bytes // args.layers
         result["expert_loads"] = model.experts.loads
-        result["per_token_bytes"] = (sum(s.nbytes - experts for i, s in enumerate(model._slots) if i not in model.resident_blocks)
+        result["per_token_bytes"] = (sum(model._loader.held_bytes(s.names) - experts for i, s in enumerate(model._slots)
+                                         if i not in model.resident_blocks)
                                      + (model.experts.loads - loads_after_prefill) * model.experts.expert_bytes // args.new_tokens)
     if streaming:
         result["resident"] = len(model.resident_blocks)
         result["reading"] = model._loader.reading
-        result["streamed_bytes"] = sum(s.nbytes for i, s in enumerate(model._slots) if i not in model.resident_blocks)
+        result["streamed_bytes"] = sum(model._loader.held_bytes(s.names) for i, s in enumerate(model._slots)   # as held
+                                       if i not in model.resident_blocks)
         result["hidden"] = 1.0 - min(wait, read) / read if read else 1.0
         result["read_ms"] = 1e3 * read / args.new_tokens
         result["wait_ms"] = 1e3 * wait / args.new_tokens

@@ -18,6 +18,7 @@ from .. import quant
 from ..store import Store
 from ..store.direct_io import ALIGN, DirectUnsupported, aligned
 from ..store.dtypes import TORCH_DTYPES
+from ..store.manifest import TensorRecord
 from ..store.partfile import tensor_from_bytes
 from . import half_linear
 from .direct import BufferPool, block_reading, read_direct, read_ranges, verify_unkept
@@ -210,6 +211,7 @@ class BlockLoader:
             aliases.setdefault(info["target"], []).append(alias)
         packed = {}
         held: set[str] = set()
+        converted = 0   # half-precision matrices the kernel does not take
         saves: dict[str, tuple[int, bool]] = {}
         for part in self.store.manifest.parts:
             if not (on_cpu or part.startswith("mid/")):
@@ -220,7 +222,9 @@ class BlockLoader:
                     continue
                 record = tensors[key]
                 quantized = packable(record.quant, self.device)
-                if not (quantized or self._holds_as_stored(name, record)):
+                as_stored = self._holds_as_stored(name, record)
+                converted += as_stored is False
+                if not (quantized or as_stored):
                     continue
                 tied = [self.mapper.linear_weight(alias, linear_weights) for alias in aliases.get(key, [])]
                 if None in tied:
@@ -242,14 +246,18 @@ class BlockLoader:
         if held:
             log.info("weights: %d half-precision matrices stay as stored in memory, multiplied in float32 "
                      "(half_linear); norms and biases are converted", len(held))
+        if converted:
+            log.info("weights: %d half-precision matrices are converted to float32, twice their stored size in "
+                     "memory: the half-precision kernel (half_linear) does not take them here", converted)
 
-    def _holds_as_stored(self, name: str, record) -> bool:
+    def _holds_as_stored(self, name: str, record: TensorRecord) -> bool | None:
         """Whether parameter `name` of a float32 model on the CPU keeps the half-precision matrix `record` as
-        stored, for half_linear to multiply (asked with a 0-row tensor of its dtype and width)."""
+        stored, for half_linear to multiply (asked with a 0-row tensor of its dtype and width); None where it
+        is no such matrix."""
         dtype = TORCH_DTYPES.get(record.dtype)
-        if (self.device.type != "cpu" or record.quant or dtype not in half_linear.HALF_DTYPES
+        if (self.device.type != "cpu" or record.quant or dtype not in (torch.bfloat16, torch.float16)
                 or self.mapper.dtype(name) != torch.float32 or len(record.shape) != 2):
-            return False
+            return None
         return half_linear.available() and half_linear.supports(torch.empty(0, record.shape[1], dtype=dtype),
                                                                 torch.float32)
 
