@@ -130,8 +130,8 @@ def test_the_option_overrides_auto_and_a_wrong_value_is_one_sentence(stores):
         AutoModel.from_pretrained(store, compute_dtype="float8")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
+def _cli(*args: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]), **environ}
     return subprocess.run([sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=300,
                           env=env)
 
@@ -146,6 +146,9 @@ def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):
     ids = tokenizer("Hello", return_tensors="pt")
     out = _reference(checkpoint, torch.float32).generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert run.stdout.strip() == tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    flags = _cli("generate", str(store), "--prompt", "Hello", SHARDSTREAM_CPU_FLAGS="avx2")
+    assert flags.returncode != 0 and "Traceback" not in flags.stderr
+    assert "error: SHARDSTREAM_CPU_FLAGS entry 'avx2' is neither -flag (mask it) nor +flag (add it)" in flags.stderr
     wrong = _cli("generate", str(store), "--prompt", "Hello", "--compute-dtype", "half")
     assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
     assert "--compute-dtype 'half' is not one shardstream computes in; use auto, float32, bfloat16, float16." in wrong.stderr
