@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile -q
+	# the real shapes again as on a CPU without bf16 instructions, torch's own bf16 products included
+	# (ONEDNN_MAX_CPU_ISA must be set before torch loads: a test's fixture cannot)
+	SHARDSTREAM_CPU_FLAGS=-avx512_bf16,-amx_bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE \
+		$(PY) -m pytest -q tests/test_stream_real_shapes.py -k "no_bf16_cpu and (streamed and exact or defaults_hold)"
 
 bench: setup   # each prints a markdown table; docs/BENCHMARKS.md holds the latest run's figures
 	$(PY) benchmarks/convert.py --out artifacts/bench_convert.md

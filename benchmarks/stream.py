@@ -31,6 +31,12 @@ Sections (`--sections`, so that a subset fits in the time at hand):
   the reference scale (tokens per target pass, speed-up, identical text; the ceiling with a draft that
   computes the target's own function).
 
+The output starts with the CPU's bf16 flags as /proc/cpuinfo lists them and as the runs see them; each
+run's row says the dtype it computed in and how its weights were multiplied (bf16 math, bf16 weights in
+float32 math, 4-bit codes). `--mask-bf16` runs every child as on a CPU without bf16 instructions:
+SHARDSTREAM_CPU_FLAGS masks avx512_bf16 and amx_bf16 (shardstream's own decision), and
+ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps torch's bf16 products off those instructions, for the peers too.
+
 Run: `.venv/bin/python benchmarks/stream.py [--shape llama-3.2-1b] [--sections single,serve,offline,quant4,quant8] [--repeat 3] [--rounds 3]` (root, for memcap).
 """
 
@@ -59,6 +65,8 @@ MEMCAP = next((p / "shared" / "tools" / "memcap" for p in ROOT.parents[:2] if (p
               ROOT.parent / "shared" / "tools" / "memcap")
 MB = 1e6
 MiB = 1 << 20
+# the environment of every child with --mask-bf16: the path of a CPU without bf16 instructions
+MASKED_BF16 = {"SHARDSTREAM_CPU_FLAGS": "-avx512_bf16,-amx_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
 CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M",   # the real shapes' scenarios
         "mixtral-8x7b": "2000M"}
@@ -150,6 +158,18 @@ def cgroup_peak(reset: bool = False) -> int | None:
     return None
 
 
+def weights_path(model, streaming: bool) -> str:
+    """How a run multiplied its weights: the dtype it computed in, and for shardstream what its Linears held."""
+    dtype = str(model.model.dtype if streaming else model.dtype).removeprefix("torch.")
+    if not streaming:
+        return f"{dtype} math"
+    if model._loader.packed_keys:
+        return f"{dtype} math from 4-bit codes (quant_linear)"
+    if model._loader.mapper.held_as_stored:
+        return f"{dtype} math on bf16 weights (half_linear)"
+    return f"{dtype} math"
+
+
 def run_one(mode: str, args) -> dict:
     import torch
 
@@ -173,7 +193,8 @@ def run_one(mode: str, args) -> dict:
                 total = model.profile.total
                 read, wait, compute = read + total.read, wait + total.wait, compute + total.compute
         decode = time.perf_counter() - started
-    result = {"prefill": args.prompt / prefill, "decode": args.new_tokens / decode}
+    result = {"prefill": args.prompt / prefill, "decode": args.new_tokens / decode,
+              "weights": weights_path(model, streaming) if mode != "airllm" else "its own"}
     decoding = cgroup_peak()
     if loading and decoding:
         result["load_peak_mib"], result["decode_peak_mib"] = loading >> 20, decoding >> 20
@@ -182,12 +203,14 @@ def run_one(mode: str, args) -> dict:
     if streaming and model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
         experts = model.experts.count * model.experts.expert_bytes // args.layers
         result["expert_loads"] = model.experts.loads
-        result["per_token_bytes"] = (sum(s.nbytes - experts for i, s in enumerate(model._slots) if i not in model.resident_blocks)
+        result["per_token_bytes"] = (sum(model._loader.held_bytes(s.names) - experts for i, s in enumerate(model._slots)
+                                         if i not in model.resident_blocks)
                                      + (model.experts.loads - loads_after_prefill) * model.experts.expert_bytes // args.new_tokens)
     if streaming:
         result["resident"] = len(model.resident_blocks)
         result["reading"] = model._loader.reading
-        result["streamed_bytes"] = sum(s.nbytes for i, s in enumerate(model._slots) if i not in model.resident_blocks)
+        result["streamed_bytes"] = sum(model._loader.held_bytes(s.names) for i, s in enumerate(model._slots)   # as held
+                                       if i not in model.resident_blocks)
         result["hidden"] = 1.0 - min(wait, read) / read if read else 1.0
         result["read_ms"] = 1e3 * read / args.new_tokens
         result["wait_ms"] = 1e3 * wait / args.new_tokens
@@ -212,7 +235,8 @@ def run_prefill(mode: str, args) -> dict:
         started = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
         seconds = time.perf_counter() - started
-    result = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}
+    result = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
+              "weights": weights_path(model, streaming)}
     if streaming:
         result["chunk"], result["resident"] = chunk, len(model.resident_blocks)
         model.close()
@@ -228,21 +252,22 @@ def long_prompt(args, store: Path, cap: str) -> None:
         base = child(args, "--prefill", "memory", "--prefill-tokens", str(args.prefill_tokens))
         print(f"round {round_} memory: {base}", file=sys.stderr, flush=True)
         rows.append([str(round_), NAMES["memory"] + ", no cap", *(
-            [f"{base['seconds']:.1f}", "1.00x", "", "", f"{base['rss_mib']} (RSS)"] if isinstance(base, dict) else [base, "", "", "", ""])])
+            [f"{base['seconds']:.1f}", "1.00x", "", "", f"{base['rss_mib']} (RSS)", base["weights"]]
+            if isinstance(base, dict) else [base, "", "", "", "", ""])])
         for mode in modes:
             result = child(args, "--prefill", mode, "--prefill-tokens", str(args.prefill_tokens), cap=cap, cold=store)
             print(f"round {round_} {mode}: {result}", file=sys.stderr, flush=True)
             if not isinstance(result, dict):
-                rows.append([str(round_), f"{NAMES[mode]}, memcap {cap}", result, "", "", "", ""])
+                rows.append([str(round_), f"{NAMES[mode]}, memcap {cap}", result, "", "", "", "", ""])
                 continue
             ratio = result["seconds"] / base["seconds"] if isinstance(base, dict) else float("nan")
             ratios[mode].append(ratio)
             rows.append([str(round_), f"{NAMES[mode]}, memcap {cap}", f"{result['seconds']:.1f}", f"{ratio:.2f}x",
-                         str(result["chunk"]), str(result["resident"]), result.get("peak", "")])
+                         str(result["chunk"]), str(result["resident"]), result.get("peak", ""), result["weights"]])
     print(f"\nPrefill of a {args.prefill_tokens}-token prompt (`generate(max_new_tokens=1)`), seconds; streaming "
           f"settings under memcap {cap} (cold), transformers in memory without a cap, alternating.\n")
     print(markdown_table(["round", "setting", "prefill s", "/ transformers in memory", "tokens per pass",
-                          "resident blocks", "peak"], rows))
+                          "resident blocks", "peak", "weights"], rows))
     for mode, values in ratios.items():
         print(f"\n{NAMES[mode]}: prefill / transformers in memory over {len(values)} round(s): "
               f"{min(values):.2f}x-{max(values):.2f}x")
@@ -661,7 +686,12 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048, help="prefill: prompt length")
     parser.add_argument("--prefill-modes", default="resident,stream",
                         help="prefill: streaming settings run under the cap, beside transformers in memory")
+    parser.add_argument("--mask-bf16", action="store_true",
+                        help="run every child as on a CPU without bf16 instructions (SHARDSTREAM_CPU_FLAGS masks them, "
+                             "ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps torch's own bf16 products off them, peers included)")
     args = parser.parse_args()
+    if args.mask_bf16:
+        os.environ.update(MASKED_BF16)   # inherited by every child (a child is run with --mask-bf16 left out)
     if args.prefill_tokens < 1:
         parser.error("--prefill-tokens must be at least 1")
     unknown = [m for m in args.prefill_modes.split(",") if m and m not in NAMES]
@@ -698,6 +728,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/stream.py', *sys.argv[1:]])}`; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n")
+    print(bf16_flags() + "\n")
     if "single" in sections:
         with_tokenizer(ckpt)  # AirLLM loads one
         single_stream(args, ckpt, store, cap, per_token)
@@ -729,6 +760,21 @@ def main() -> None:
           f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
 
 
+def bf16_flags() -> str:
+    """The CPU's bf16 and fp16 flags as /proc/cpuinfo lists them and as the runs see them."""
+    from shardstream.stream.compute_dtype import FAST_CPU_FLAGS, FLAGS_ENV, cpu_flags
+
+    names = [flag for flags in FAST_CPU_FLAGS.values() for flag in flags]
+    masked = os.environ.pop(FLAGS_ENV, None)
+    listed = sorted(set(names) & cpu_flags())
+    if masked is not None:
+        os.environ[FLAGS_ENV] = masked
+    seen = sorted(set(names) & cpu_flags())
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return (f"CPU bf16/fp16 flags: listed {', '.join(listed) or 'none'}; as the runs see them "
+            f"({FLAGS_ENV}={masked or 'unset'}): {', '.join(seen) or 'none'}; ONEDNN_MAX_CPU_ISA={onednn or 'unset'}.")
+
+
 def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> None:
     """Each round: the cold read speed of the block files (the floor), then every mode, all under `cap`."""
     modes = [m for m in args.modes.split(",") if m] + (["airllm"] if args.airllm else [])
@@ -738,7 +784,7 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
         placed_store(ckpt)
     header = ["round", "setting", "decode tok/s", "I/O floor tok/s", "decode / floor", "runtime read MB/s / floor MB/s",
               "read / wait / compute ms per token", "resident blocks", "block reads", "cgroup peak",
-              "peak loading / decoding MiB", "load avg"]
+              "peak loading / decoding MiB", "weights", "load avg"]
     rows, ratios = [], collections.defaultdict(list)
     for round_ in range(1, args.repeat + 1):
         speed = child(args, "--read", cap=cap, cold=store)
@@ -764,7 +810,7 @@ def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> No
                          f"{result['decode'] / own:.2f}x", read, times, str(result.get("resident", "")),
                          str(result.get("reading", "")), result.get("peak", ""),
                          f"{result['load_peak_mib']} / {result['decode_peak_mib']}" if "load_peak_mib" in result else "",
-                         f"{os.getloadavg()[0]:.1f}"])
+                         result["weights"], f"{os.getloadavg()[0]:.1f}"])
     if not args.airllm:
         rows.append(["", NAMES["airllm"], "not run (give --airllm PYTHON: a venv under artifacts/ with "
                      "`pip install --no-deps airllm==4.0.0`)"] + [""] * (len(header) - 3))

@@ -86,17 +86,38 @@ def test_this_machine_reports_its_cpu_flags():
         assert "avx2" in flags
 
 
+def test_the_environment_masks_and_adds_cpu_flags(monkeypatch):
+    """SHARDSTREAM_CPU_FLAGS edits what cpu_flags reports, so any machine can take either path; a malformed
+    entry is one sentence naming the variable."""
+    monkeypatch.delenv(compute_dtype.FLAGS_ENV, raising=False)
+    listed = compute_dtype.cpu_flags()
+    monkeypatch.setenv(compute_dtype.FLAGS_ENV, " -avx512_bf16, -amx_bf16,+made_up_flag ")
+    assert compute_dtype.cpu_flags() == (listed - {"avx512_bf16", "amx_bf16"}) | {"made_up_flag"}
+    monkeypatch.setenv(compute_dtype.FLAGS_ENV, "-avx512_bf16,amx_bf16")
+    with pytest.raises(InvalidOption, match=r"SHARDSTREAM_CPU_FLAGS entry 'amx_bf16' is neither -flag \(mask it\) nor "
+                                            r"\+flag \(add it\); write e.g. SHARDSTREAM_CPU_FLAGS=-avx512_bf16,-amx_bf16."):
+        compute_dtype.cpu_flags()
+
+
 @pytest.mark.parametrize("flags,chosen,why", [
-    (frozenset(), torch.float32, "auto: the checkpoint is bfloat16, but this CPU lists none of avx512_bf16, amx_bf16"),
-    (frozenset({"avx512_bf16"}), torch.bfloat16, "auto: the checkpoint's dtype, bfloat16: this CPU has avx512_bf16"),
+    ("-avx512_bf16,-amx_bf16", torch.float32,
+     "auto: the checkpoint is bfloat16, but this CPU lists none of avx512_bf16, amx_bf16"),
+    ("+avx512_bf16", torch.bfloat16, "auto: the checkpoint's dtype, bfloat16: this CPU has avx512_bf16"),
 ])
 def test_auto_says_what_it_chose_and_why(stores, monkeypatch, caplog, flags, chosen, why):
+    """The flags pinned through the environment, whatever this machine has; on a CPU without bf16 instructions
+    the weights stay bfloat16 (held as stored: the Linears' `packed`), multiplied in float32."""
     _, store = stores("llama", "bfloat16")
-    monkeypatch.setattr(compute_dtype, "cpu_flags", lambda: flags)
-    with caplog.at_level(logging.INFO, "shardstream.compute_dtype"), \
-            AutoModel.from_pretrained(store, max_resident_memory=0) as model:
+    monkeypatch.setenv(compute_dtype.FLAGS_ENV, flags)
+    with caplog.at_level(logging.INFO, "shardstream"), \
+            AutoModel.from_pretrained(store, max_resident_memory=None) as model:
         assert model.model.dtype == chosen
+        proj = model.model.model.layers[0].mlp.down_proj
+        held = proj.packed if chosen == torch.float32 else proj.weight
+        assert held.dtype == torch.bfloat16 and held.device.type == "cpu"
     assert f"compute dtype: {str(chosen).removeprefix('torch.')} ({why}" in caplog.text
+    assert ("half-precision matrices stay as stored in memory, multiplied in float32" in caplog.text) == (
+        chosen == torch.float32)
 
 
 def test_the_option_overrides_auto_and_a_wrong_value_is_one_sentence(stores):
@@ -109,8 +130,8 @@ def test_the_option_overrides_auto_and_a_wrong_value_is_one_sentence(stores):
         AutoModel.from_pretrained(store, compute_dtype="float8")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
+def _cli(*args: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]), **environ}
     return subprocess.run([sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=300,
                           env=env)
 
@@ -125,6 +146,9 @@ def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):
     ids = tokenizer("Hello", return_tensors="pt")
     out = _reference(checkpoint, torch.float32).generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert run.stdout.strip() == tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    flags = _cli("generate", str(store), "--prompt", "Hello", SHARDSTREAM_CPU_FLAGS="avx2")
+    assert flags.returncode != 0 and "Traceback" not in flags.stderr
+    assert "error: SHARDSTREAM_CPU_FLAGS entry 'avx2' is neither -flag (mask it) nor +flag (add it)" in flags.stderr
     wrong = _cli("generate", str(store), "--prompt", "Hello", "--compute-dtype", "half")
     assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
     assert "--compute-dtype 'half' is not one shardstream computes in; use auto, float32, bfloat16, float16." in wrong.stderr

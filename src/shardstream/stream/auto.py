@@ -72,8 +72,8 @@ class AutoModel:
         where a rank writes its shares when the store has no `shardstream shard --tp N` export (default
         `<store>/tp`).
         `compute_dtype`: the dtype the model computes in; 'auto' keeps the checkpoint's where the device
-        multiplies it fast, else float32 (the store's bytes are read as stored and converted piece by
-        piece; compute_dtype.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
+        multiplies it fast, else float32 math on the weights held as stored (compute_dtype.py,
+        half_linear.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
         (AirLLM's name) is the same option and wins when given.
         """
         token = hub_token(token, hf_token)

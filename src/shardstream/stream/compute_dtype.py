@@ -5,15 +5,21 @@ bfloat16 products through conversions: measured on 2 cores (AVX-512, no AVX512_B
 against 45 for float32 at 512 rows, 4.6 against 6.3 at one row; a CPU with them runs bfloat16 faster
 than float32 (430 against 174 GFLOP/s at 512 rows on an AVX512_BF16 EPYC). float16 likewise needs
 AVX512_FP16 or AMX-FP16 (30 against 117 GFLOP/s at 64 rows without). Where the checkpoint's dtype is
-slow, the model is built in float32: the store's bytes are still read as stored (half the reads of a
-float32 store) and each piece's tensors are converted as they are loaded (weights.WeightMapper.convert).
-GPUs keep the checkpoint's dtype (bfloat16 where the GPU supports it).
+slow, the model is built in float32 ("bfloat16 weights, float32 math"): its Linear weights, embedding
+and head stay in memory as stored and are multiplied in float32 by half_linear.py (loader.BlockLoader.
+pack_linear_weights), so neither the reads nor the memory double; only small tensors (norms, biases)
+are converted. GPUs keep the checkpoint's dtype (bfloat16 where the GPU supports it).
+
+`cpu_flags` is the one place that reads the CPU's flags; `SHARDSTREAM_CPU_FLAGS` edits what it reports
+("-avx512_bf16,-amx_bf16" takes the path of a CPU without them, "+avx512_bf16" that of one with them),
+so that a user, a test or a benchmark can choose either path on any machine.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -26,6 +32,7 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 # /proc/cpuinfo flags any one of which makes products in that dtype faster than in float32
 FAST_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 CPUINFO = Path("/proc/cpuinfo")
+FLAGS_ENV = "SHARDSTREAM_CPU_FLAGS"   # comma-separated "-flag" (masked) and "+flag" (added) edits of cpu_flags()
 
 
 def parse_compute_dtype(value: str | torch.dtype | None, option: str = "compute_dtype") -> torch.dtype | None:
@@ -41,9 +48,20 @@ def parse_compute_dtype(value: str | torch.dtype | None, option: str = "compute_
                         f"{', '.join(COMPUTE_DTYPES)}.")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where there is no /proc/cpuinfo)."""
+    """The CPU's feature flags as Linux lists them (none where there is no /proc/cpuinfo), edited by
+    $SHARDSTREAM_CPU_FLAGS."""
+    flags = set(_listed_flags())
+    for entry in filter(None, (part.strip() for part in os.environ.get(FLAGS_ENV, "").split(","))):
+        if entry[0] not in "+-" or len(entry) == 1:
+            raise InvalidOption(f"{FLAGS_ENV} entry {entry!r} is neither -flag (mask it) nor +flag (add it); "
+                                f"write e.g. {FLAGS_ENV}=-avx512_bf16,-amx_bf16.")
+        (flags.add if entry[0] == "+" else flags.discard)(entry[1:])
+    return frozenset(flags)
+
+
+@functools.cache
+def _listed_flags() -> frozenset[str]:
     try:
         text = CPUINFO.read_text()
     except OSError:
@@ -67,8 +85,9 @@ def choose(stored: torch.dtype, device: torch.device, flags: frozenset[str]) -> 
     if fast:
         return stored, f"the checkpoint's dtype, {name}: this CPU has {fast[0]}"
     return torch.float32, (f"the checkpoint is {name}, but this CPU lists none of {', '.join(FAST_CPU_FLAGS[stored])} "
-                           f"(/proc/cpuinfo), so its {name} products are slow: blocks are read as {name} and "
-                           f"converted piece by piece; compute_dtype (--compute-dtype) {name} keeps {name}")
+                           f"(/proc/cpuinfo, {FLAGS_ENV}), so its {name} products are slow: {name} weights, "
+                           f"float32 math (weights stay {name} in memory, multiplied in float32); "
+                           f"compute_dtype (--compute-dtype) {name} keeps {name} math")
 
 
 def resolve_compute_dtype(option: str | torch.dtype | None, stored: torch.dtype, device: torch.device) -> torch.dtype:

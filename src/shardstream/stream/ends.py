@@ -7,7 +7,10 @@ its whole matrix for every token, as a block does: it stays resident when it fit
 budget beside the streamed blocks' working set (and a tied embedding is then that same tensor),
 else it is streamed like a block, in slices of rows of one piece's size, the next slice read by a
 reader thread while the current one multiplies. Only plainly stored matrices (not quantized, in the
-parameter's dtype and shape) of at least `STREAMED_BYTES` are handled so; the rest stay resident.
+parameter's dtype and shape, or held as stored by a float32 model: WeightMapper.held_as_stored) of at
+least `STREAMED_BYTES` are handled so; the rest stay resident. Each is counted at its stored size, the
+size it has in memory: a half-precision matrix of a float32 model is never converted whole, only the
+rows of a pass (the embedding) or multiplied slice by slice in float32 (the head, half_linear.py).
 A streamed matrix's file is checksummed whole on its first use, through a small buffer, as a
 streamed block's is.
 """
@@ -26,7 +29,7 @@ from ..store.direct_io import ALIGN, DirectUnsupported, aligned
 from ..store.dtypes import TORCH_DTYPES
 from ..store.reader import read_spans
 from .direct import BufferPool, read_ranges, verify_unkept
-from .linear import flat_linear
+from .linear import weight_linear
 from .mapped import verify_mapped
 from .weights import WeightMapper
 
@@ -54,18 +57,21 @@ class StoredMatrix:
 
 
 def _stored(store: Store, mapper: WeightMapper, param: str, expected: torch.Tensor) -> StoredMatrix | None:
-    """The plainly stored matrix that fills `param` (an alias resolved to its target), if any."""
+    """The plainly stored matrix that fills `param` (an alias resolved to its target), if any: in the
+    parameter's dtype, or held as stored (WeightMapper.held_as_stored)."""
     for part in store.parts:
         if part.startswith("mid/"):
             continue
         for key in store.tensor_names(part):
             if mapper.linear_weight(key, {param}) is None:
                 continue
-            record = store.manifest.tensors.get(store.manifest.aliases.get(key, {}).get("target", key))
-            if (record is None or record.quant or TORCH_DTYPES.get(record.dtype) != expected.dtype
-                    or list(record.shape) != list(expected.shape)):
+            target = store.manifest.aliases.get(key, {}).get("target", key)
+            record = store.manifest.tensors.get(target)
+            dtype = TORCH_DTYPES.get(record.dtype) if record is not None else None
+            if (record is None or record.quant or list(record.shape) != list(expected.shape)
+                    or dtype != expected.dtype and target not in mapper.held_as_stored):
                 return None
-            return StoredMatrix(param, record.file, record.offset, *record.shape, expected.dtype)
+            return StoredMatrix(param, record.file, record.offset, *record.shape, dtype)
     return None
 
 
@@ -78,12 +84,14 @@ class Ends:
         self.head: StoredMatrix | None = None
         self.tied = False
         self.head_resident = True
+        self._slot_bytes: dict[str, int] = {}   # parameter -> its slot's bytes in the model's dtype
         if device.type != "cpu" or getattr(store, "remote", False) or model.get_output_embeddings() is None:
             return
         params = dict(model.named_parameters(remove_duplicate=False))
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         embedding = f"{names[id(model.get_input_embeddings())]}.weight"
         head = f"{names[id(model.get_output_embeddings())]}.weight"
+        self._slot_bytes = {name: params[name].nbytes for name in (embedding, head)}
         self.embedding = _stored(store, mapper, embedding, params[embedding])
         tied_keys = getattr(model, "all_tied_weights_keys", {}) or {}
         found = _stored(store, mapper, head, params[head])
@@ -106,13 +114,13 @@ class Ends:
 
     @property
     def slot_bytes(self) -> int:
-        """Their bytes as the model's parameter slots count them (a tied pair: two slots)."""
-        return sum(m.nbytes for m in (self.embedding, self.head) if m is not None)
+        """Their bytes as the model's parameter slots count them (a tied pair: two slots; the model's dtype)."""
+        return sum(self._slot_bytes[m.name] for m in (self.embedding, self.head) if m is not None)
 
     def place(self, budget: int, streaming: int) -> int:
-        """Decide: the head stays resident when it fits `budget` beside the streamed blocks' working set
-        (`streaming`); a tied embedding follows it, an untied one is read by rows. Returns the bytes
-        taken from the budget."""
+        """Decide: the head stays resident when its stored bytes (what it holds in memory) fit `budget` beside
+        the streamed blocks' working set (`streaming`); a tied embedding follows it, an untied one is read by
+        rows. Returns the bytes taken from the budget."""
         self.head_resident = self.head is None or self.head.nbytes + streaming <= budget
         return self.head.nbytes if self.head is not None and self.head_resident else 0
 
@@ -153,14 +161,15 @@ class _Verified:
 
 class EmbeddingRows:
     """Hooks on the input embedding: before each pass, its weight becomes the rows of the pass's
-    distinct tokens (read by offset) and the ids their positions there; after it, a 0-row stand-in
-    (on the CPU, so that `model.device` stays right). The module's own forward (a scaled embedding's
-    scale included) runs unchanged."""
+    distinct tokens (read by offset, converted to the model's dtype where held as stored) and the ids
+    their positions there; after it, a 0-row stand-in (on the CPU, so that `model.device` stays right).
+    The module's own forward (a scaled embedding's scale included) runs unchanged."""
 
     def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, verify: bool):
         self._store, self._matrix, self._module = store, matrix, module
         self._verified = _Verified(store, matrix.file, verify)
-        self._standin = nn.Parameter(torch.empty(0, matrix.cols, dtype=matrix.dtype), requires_grad=False)
+        self._dtype = module.weight.dtype
+        self._standin = nn.Parameter(torch.empty(0, matrix.cols, dtype=self._dtype), requires_grad=False)
         module._parameters["weight"] = self._standin
         self.handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                         module.register_forward_hook(self._after)]
@@ -168,7 +177,8 @@ class EmbeddingRows:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = args[0] if args else kwargs.pop("input")
         distinct, inverse = torch.unique(ids, return_inverse=True)
-        module._parameters["weight"] = nn.Parameter(self.read(distinct.tolist()), requires_grad=False)
+        rows = self.read(distinct.tolist()).to(self._dtype)
+        module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
         return (inverse.reshape(ids.shape), *args[1:]), kwargs
 
     def _after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -196,7 +206,8 @@ class EmbeddingRows:
 class StreamedHead:
     """The LM head's forward, over slices of its rows read one after another into pool buffers of
     `capacity` bytes (the size of a block piece's, so that the pool reuses the same ones): slice k+1
-    is read while slice k multiplies. The weight slot stays on `meta`; its bias (if any) is resident."""
+    is read while slice k multiplies (in float32 by half_linear where the model is float32 and the head
+    held as stored). The weight slot stays on `meta`; its bias (if any) is resident."""
 
     def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, pool: BufferPool, capacity: int,
                  reading: str, verify: bool):
@@ -220,7 +231,7 @@ class StreamedHead:
                 try:
                     if k + 1 < len(self.slices):
                         pending = self._reader.submit(self._read, *self.slices[k + 1])
-                    out[..., begin:end] = flat_linear(x, weight, None if bias is None else bias[begin:end])
+                    out[..., begin:end] = weight_linear(x, weight, None if bias is None else bias[begin:end])
                 finally:
                     del weight
                     self._pool.give([buffer])

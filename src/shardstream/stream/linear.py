@@ -12,7 +12,9 @@ from a row alone.
 
 A quantized weight kept packed (quant_linear.py) is multiplied from its codes instead, at every row count,
 and a packed embedding dequantizes just the rows of a pass's tokens (a 4-bit 128k-token vocabulary: 131 MB
-of codes in memory instead of a 525 MB bf16 matrix).
+of codes in memory instead of a 525 MB bf16 matrix). Likewise a bfloat16 or float16 weight of a model
+computing in float32 is held as stored (`packed` is then a plain tensor of that dtype) and multiplied in
+float32 by half_linear.py, and a packed half-precision embedding converts just the rows of a pass's tokens.
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import quant
-from . import quant_linear
+from . import half_linear, quant_linear
 
 FEW_ROWS = range(2, 129)
 
 
 class FewRowsLinear(nn.Linear):
     """`nn.Linear` whose float32 CPU products of 2-128 rows run as W @ xᵀ (see the module docstring), or
-    from the codes of `packed` (a quantized store's weight) while its block is in place (`weight` stays on meta)."""
+    from `packed` while its block is in place (`weight` stays on meta): a quantized store's codes, or a
+    half-precision weight held as stored in a float32 model."""
 
-    packed: quant.QuantizedTensor | None = None
+    packed: quant.QuantizedTensor | torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if isinstance(self.packed, quant.QuantizedTensor):
             return quant_linear.linear(x, self.packed, self.bias)
+        if self.packed is not None:
+            return half_linear.linear(x, self.packed, self.bias)
         weight = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in FEW_ROWS or weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu":
@@ -46,16 +51,27 @@ class FewRowsLinear(nn.Linear):
 
 
 class PackedEmbedding(nn.Embedding):
-    """`nn.Embedding` that, while `packed` holds its quantized matrix (`weight` stays on meta), looks up the
-    rows of the ids it is given, each distinct id dequantized once (the values dequantizing the whole gives)."""
+    """`nn.Embedding` that, while `packed` holds its matrix as stored (`weight` stays on meta: quantized, or
+    half precision in a float32 model), looks up the rows of the ids it is given, each distinct id decoded
+    once into the model's dtype (the values decoding the whole gives)."""
 
-    packed: quant.QuantizedTensor | None = None
+    packed: quant.QuantizedTensor | torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return super().forward(ids)
         distinct, inverse = torch.unique(ids, return_inverse=True)
-        return quant.dequantize_rows(self.packed, distinct).to(self.weight.dtype)[inverse]
+        rows = (quant.dequantize_rows(self.packed, distinct) if isinstance(self.packed, quant.QuantizedTensor)
+                else self.packed[distinct])
+        return rows.to(self.weight.dtype)[inverse]
+
+
+def weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`flat_linear`, or half_linear's float32 product where `weight` is a half-precision matrix held as stored
+    beside float32 activations (a streamed head's slice)."""
+    if weight.dtype != x.dtype and half_linear.supports(weight, x.dtype):
+        return half_linear.linear(x, weight, bias)
+    return flat_linear(x, weight, bias)
 
 
 def flat_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,7 +96,8 @@ def use_streaming_layers(model: nn.Module) -> None:
 
 def packable_weights(model: nn.Module) -> set[str]:
     """Parameter names of the FewRowsLinear and PackedEmbedding weights in a dtype quant_linear computes for
-    (float32, or bfloat16 and float16 through float32): those a quantized store may hand over packed."""
+    (float32, or bfloat16 and float16 through float32): those a quantized store may hand over packed, and a
+    half-precision store to a float32 model held as stored."""
     dtypes = {torch.float32, torch.bfloat16, torch.float16}
     return {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, (FewRowsLinear, PackedEmbedding)) and module.weight.dtype in dtypes}

@@ -3,6 +3,7 @@ parameter tensors on the target device."""
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -16,12 +17,17 @@ import torch
 from .. import quant
 from ..store import Store
 from ..store.direct_io import ALIGN, DirectUnsupported, aligned
+from ..store.dtypes import TORCH_DTYPES
+from ..store.manifest import TensorRecord
 from ..store.partfile import tensor_from_bytes
+from . import half_linear
 from .direct import BufferPool, block_reading, read_direct, read_ranges, verify_unkept
 from .mapped import cool, map_part, map_ranges, release_unviewed, spans, verify_mapped
 from .quant_linear import PACKED_WHEN_RESIDENT, packable
 from .pieces import PIECE_BYTES, Piece
 from .weights import WeightMapper
+
+log = logging.getLogger("shardstream.stream")
 
 COPY_AHEAD_ENV = "SHARDSTREAM_COPY_AHEAD"
 Layout = list[tuple[str, list[tuple[int, int]]]]  # per file: the aligned (begin, end) ranges a piece reads
@@ -191,10 +197,12 @@ class BlockLoader:
             return all(key in self._kept for key in keys)
 
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
-        """Hand the quantized weights of these Linears and embeddings (parameter names) over packed, where a
-        kernel runs (quant_linear.packable). A tied tensor is packed only when every parameter it fills is one
-        of them (a tied embedding and head: one packed tensor serves both). On a CUDA GPU (the Triton kernel),
-        only the streamed blocks' weights: they cross the bus as codes and stay so on the GPU; resident blocks
+        """Hand these Linears' and embeddings' weights (parameter names) over as stored, where a kernel multiplies
+        them so: quantized ones packed (quant_linear.packable), and on the CPU the half-precision matrices of a
+        float32 model (`_holds_as_stored`: "bfloat16 weights, float32 math", multiplied by half_linear), which
+        stay so in resident parts too. A tied tensor is handed over so only when every parameter it fills is one
+        of them (a tied embedding and head: one tensor serves both). On a CUDA GPU (the Triton kernel), only the
+        streamed blocks' quantized weights: they cross the bus as codes and stay so on the GPU; resident blocks
         and the parts outside the blocks are dequantized once, at load, as before. Call before reading anything."""
         on_cpu = self.device.type == "cpu"
         tensors = self.store.manifest.tensors
@@ -202,29 +210,65 @@ class BlockLoader:
         for alias, info in self.store.manifest.aliases.items():
             aliases.setdefault(info["target"], []).append(alias)
         packed = {}
+        held: set[str] = set()
+        converted = 0   # half-precision matrices the kernel does not take
         saves: dict[str, tuple[int, bool]] = {}
         for part in self.store.manifest.parts:
             if not (on_cpu or part.startswith("mid/")):
                 continue
             for key in self.store.tensor_names(part):
                 name = self.mapper.linear_weight(key, linear_weights)
-                if not (name and key in tensors and packable(tensors[key].quant, self.device)):
+                if not name or key not in tensors:
+                    continue
+                record = tensors[key]
+                quantized = packable(record.quant, self.device)
+                as_stored = self._holds_as_stored(name, record)
+                converted += as_stored is False
+                if not (quantized or as_stored):
                     continue
                 tied = [self.mapper.linear_weight(alias, linear_weights) for alias in aliases.get(key, [])]
                 if None in tied:
                     continue
-                meta = tensors[key].quant
-                resident = on_cpu and meta["method"] in PACKED_WHEN_RESIDENT
-                packed[key] = resident
-                saves[name] = (self.mapper.nbytes(name) - tensors[key].length - meta["absmax"]["length"], resident)
+                if quantized:
+                    resident = on_cpu and record.quant["method"] in PACKED_WHEN_RESIDENT
+                    packed[key] = resident
+                    stored = record.length + record.quant["absmax"]["length"]
+                else:
+                    resident = True
+                    held.update([key, *aliases.get(key, [])])
+                    stored = record.length
+                saves[name] = (self.mapper.nbytes(name) - stored, resident)
                 saves.update({other: (self.mapper.nbytes(other), resident) for other in tied})   # the same tensor
         self.packed_keys = frozenset(packed)
         self._resident_packed = frozenset(key for key, resident in packed.items() if resident)
+        self.mapper.held_as_stored = frozenset(held)
         self._packing_saves = saves
+        if held:
+            log.info("weights: %d half-precision matrices stay as stored in memory, multiplied in float32 "
+                     "(half_linear); norms and biases are converted", len(held))
+        if converted:
+            log.info("weights: %d half-precision matrices are converted to float32, twice their stored size in "
+                     "memory: the half-precision kernel (half_linear) does not take them here", converted)
+
+    def _holds_as_stored(self, name: str, record: TensorRecord) -> bool | None:
+        """Whether parameter `name` of a float32 model on the CPU keeps the half-precision matrix `record` as
+        stored, for half_linear to multiply (asked with a 0-row tensor of its dtype and width); None where it
+        is no such matrix."""
+        dtype = TORCH_DTYPES.get(record.dtype)
+        if (self.device.type != "cpu" or record.quant or dtype not in (torch.bfloat16, torch.float16)
+                or self.mapper.dtype(name) != torch.float32 or len(record.shape) != 2):
+            return None
+        return half_linear.available() and half_linear.supports(torch.empty(0, record.shape[1], dtype=dtype),
+                                                                torch.float32)
+
+    def held_bytes(self, names: set[str] | frozenset[str]) -> int:
+        """Bytes these streamed parameters take in memory: packed or held as stored where they are, else in the
+        model's dtype."""
+        return sum(self.mapper.nbytes(name) for name in names) - self.packing_saves(names)
 
     def packing_saves(self, names: set[str] | frozenset[str], resident: bool = False) -> int:
-        """Bytes of memory that the packed ones among these parameters save against their dequantized size,
-        streamed or (`resident`) in a resident part (quant_linear.PACKED_WHEN_RESIDENT)."""
+        """Bytes of memory that the packed (or held as stored) ones among these parameters save against their
+        size in the model's dtype, streamed or (`resident`) in a resident part (quant_linear.PACKED_WHEN_RESIDENT)."""
         total = 0
         for name in names:
             saved, also_resident = self._packing_saves.get(name, (0, False))

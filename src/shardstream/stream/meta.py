@@ -8,7 +8,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..errors import UnsupportedModel
+from ..errors import InvalidOption, UnsupportedModel
 from ..store import Store
 from .compute_dtype import resolve_compute_dtype
 from .linear import use_streaming_layers
@@ -25,6 +25,8 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
         dtype = resolve_compute_dtype(dtype, stored, device) if device is not None else dtype or stored
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except InvalidOption:   # a ValueError too: the option or SHARDSTREAM_CPU_FLAGS, already in one sentence
+        raise
     except (ValueError, KeyError) as error:
         raise UnsupportedModel(
             f"{store.root / 'config.json'}: transformers has no causal LM for model_type "
@@ -32,6 +34,11 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
         ) from None
     use_streaming_layers(model)
     return model.eval()
+
+
+def checkpoint_dtype(store: Store) -> torch.dtype:
+    """The dtype the store's checkpoint was saved in (its config's), whatever the model computes in."""
+    return config_dtype(AutoConfig.from_pretrained(store.root))
 
 
 def config_dtype(config) -> torch.dtype:

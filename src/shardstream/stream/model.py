@@ -34,7 +34,7 @@ from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
-from .meta import WrapsModel, build_meta_model, common_module
+from .meta import WrapsModel, build_meta_model, checkpoint_dtype, common_module
 from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
@@ -96,6 +96,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.profiling_mode = profiling_mode
         self.profile = Profile()
         self.model = build_meta_model(store, compute_dtype, self.device)
+        self._checkpoint_element = checkpoint_dtype(store).itemsize   # blocks are cut by it (pieces.split_block)
         if shape_model is not None:
             shape_model(self.model)
         self._buffers_to_device()
@@ -216,13 +217,13 @@ class StreamingModel(TransformersHabits, WrapsModel):
         reads: dict[tuple[int, int], list[str] | None] = {}
         for k, (block, prefix) in enumerate(zip(blocks, prefixes)):
             names = self._slots[k].names & mapper.target_names(self._loader.checkpoint_keys(k))
-            split = split_block(block, prefix, names, piece_bytes)
+            split = split_block(block, prefix, names, piece_bytes, self._checkpoint_element)
             keys = self._loader.split(k, split)
             if keys is None:
                 pieces[k] = whole(block, names, self._slots[k].nbytes - self._loader.packing_saves(names))
                 reads[(k, 0)] = None
                 continue
-            split = [replace(p, nbytes=p.nbytes - self._loader.packing_saves(p.names)) for p in split]
+            split = [replace(p, nbytes=self._loader.held_bytes(p.names)) for p in split]
             kept = [0] + [i for i in range(1, len(split)) if keys[i]]
             # a piece with nothing to read (experts filled on demand) is in memory for the whole block, as piece 0 is
             unread = sum(p.nbytes for i, p in enumerate(split) if i not in kept)

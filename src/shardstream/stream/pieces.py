@@ -37,26 +37,30 @@ class Piece:
     nbytes: int   # in memory (the parameters' dtype), not as stored
 
 
-def _own(module: nn.Module, full: str, names: set[str]) -> dict[str, int]:
-    """{full name: bytes} of the tensors `module` holds directly, of those in `names`."""
+def _own(module: nn.Module, full: str, names: set[str], element: int | None) -> dict[str, int]:
+    """{full name: bytes} of the tensors `module` holds directly, of those in `names` (`element` bytes per
+    value; None: their own dtype's)."""
     own = {}
     for attr, value in [*module._parameters.items(), *module._buffers.items()]:
         name = f"{full}.{attr}" if full else attr
         if value is not None and name in names:
-            own[name] = value.numel() * value.element_size()
+            own[name] = value.numel() * (element or value.element_size())
     return own
 
 
-def split_block(block: nn.Module, prefix: str, names: set[str], piece_bytes: int | None = None) -> list[Piece]:
+def split_block(block: nn.Module, prefix: str, names: set[str], piece_bytes: int | None = None,
+                element: int | None = None) -> list[Piece]:
     """Pieces of `block` (named `prefix`) covering `names`, the parameters its part provides; siblings
-    share a piece up to `piece_bytes` (default PIECE_BYTES)."""
+    share a piece up to `piece_bytes` (default PIECE_BYTES), each value counted `element` bytes (the
+    checkpoint's dtype, so that a store is cut alike in every compute dtype; None: the parameters' own).
+    The pieces' `nbytes` are in the same count: the caller sets what they hold in memory."""
     piece_bytes = piece_bytes or PIECE_BYTES
     small: dict[str, int] = {}
     big: list[Piece] = []
     parents: list[str] = []   # of each big piece's modules
     for module_name, module in block.named_modules():
         full = f"{prefix}.{module_name}" if module_name else prefix
-        own = _own(module, full, names)
+        own = _own(module, full, names, element)
         size = sum(own.values())
         leaf = not any(child._parameters for _, child in module.named_modules() if child is not module)
         if not (module_name and leaf and size >= MIN_PIECE_BYTES):

@@ -54,6 +54,9 @@ class WeightMapper:
         self._expected = model.state_dict()  # meta tensors: names, shapes, dtypes; no memory
         self._model = model
         self._renamed: dict[str, tuple[str, str | None]] = {}
+        # checkpoint keys whose half-precision matrix a float32 model holds as stored (half_linear.py);
+        # set by loader.BlockLoader.pack_linear_weights
+        self.held_as_stored: frozenset[str] = frozenset()
 
     def _rename(self, key: str) -> tuple[str, str | None]:
         """The parameter name (and converter pattern) of a checkpoint key; remembered, since a streamed
@@ -81,8 +84,9 @@ class WeightMapper:
 
     def convert(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor | QuantizedTensor]:
         """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}; packed quantized
-        weights (only ever asked for where `linear_weight` names one) pass as they are."""
+        weights and those `held_as_stored` (only ever asked for where `linear_weight` names one) pass as they are."""
         out: dict[str, torch.Tensor] = {}
+        stored: set[str] = set()
         pending: dict[str, WeightConverter] = {}
         for key in sorted(tensors, key=dot_natural_key):
             renamed, pattern = self._rename(key)
@@ -90,6 +94,8 @@ class WeightMapper:
                 continue  # e.g. rotary inv_freq saved by old checkpoints: the model computes its own
             if pattern is None:
                 out[renamed] = tensors[key]
+                if key in self.held_as_stored:
+                    stored.add(renamed)
             else:
                 converter = pending.setdefault(renamed, deepcopy(self._by_pattern[pattern]))
                 converter.add_tensor(renamed, key, pattern, tensors[key])
@@ -104,12 +110,16 @@ class WeightMapper:
                 cast[id(tensor), dtype] = tensor.to(dtype)
             return cast[id(tensor), dtype]
 
-        return {name: t if isinstance(t, QuantizedTensor) else to_dtype(name, t)
+        return {name: t if isinstance(t, QuantizedTensor) or name in stored else to_dtype(name, t)
                 for name, t in out.items() if name in self._expected}
 
     def nbytes(self, name: str) -> int:
         """Bytes parameter `name` takes in memory (in the model's dtype, whatever the store's)."""
         return self._expected[name].nbytes
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Parameter `name`'s dtype in the model."""
+        return self._expected[name].dtype
 
     def linear_weight(self, key: str, linear_weights: set[str]) -> str | None:
         """The one of `linear_weights` that checkpoint key `key` becomes as it is (no converter), if any."""
@@ -141,11 +151,11 @@ class Slots:
         return sum(meta.numel() * meta.element_size() for _, _, meta in self._meta.values())
 
     def fill(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> None:
-        """Point every slot at its tensor (no copy); a packed weight goes to its Linear's `packed` and the
-        slot stays on meta."""
+        """Point every slot at its tensor (no copy); a packed weight (quantized, or held in another dtype than
+        its slot's: WeightMapper.held_as_stored) goes to its module's `packed` and the slot stays on meta."""
         for name, tensor in tensors.items():
             module, attr, meta = self._meta[name]
-            if isinstance(tensor, QuantizedTensor):
+            if isinstance(tensor, QuantizedTensor) or tensor.dtype != meta.dtype:
                 module.packed = tensor
             elif attr in module._parameters:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
