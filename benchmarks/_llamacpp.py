@@ -136,12 +136,13 @@ def sentencepiece_tokenizer(python: Path, out: Path) -> None:
     subprocess.run([str(python), "-c", script, str(out)], check=True, capture_output=True)
 
 
-def convert(cache: Path, tree: Path, binaries: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
+def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
     """The checkpoint as GGUF files (bf16 from the converter, the others quantized from it), made once each.
     The converter reads a folder of links to the checkpoint's files beside a tokenizer.model of its own."""
     files = {kind: out / f"model-{kind}.gguf" for kind in GGUF_TYPES}
     if all(f.exists() for f in files.values()):
         return files
+    tree = source(cache)
     python, view = converter(cache, tree), out / "checkpoint"
     view.mkdir(parents=True, exist_ok=True)
     for file in checkpoint.iterdir():
