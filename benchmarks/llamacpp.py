@@ -95,12 +95,14 @@ def shardstream_run(args) -> dict:
     from shardstream.stream import AutoModel
 
     store = shardstream_store(args, args.child)
+    phase("loading")
     model = AutoModel.from_pretrained(store, **({"compute_dtype": masked_compute_dtype(store)} if args.mask_bf16 else {}))
     vocab = shape_config(SHAPE)["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, args.prompt), generator=generator)
     long_prompt = torch.randint(3, vocab, (1, args.prefill_tokens), generator=generator)
     with torch.no_grad():
+        phase("decoding")
         out = model(prompt, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         started = time.perf_counter()
@@ -108,12 +110,18 @@ def shardstream_run(args) -> dict:
             out = model(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode = args.new_tokens / (time.perf_counter() - started)
+        phase(f"prefilling {args.prefill_tokens} tokens")
         started = time.perf_counter()
         model.generate(long_prompt, attention_mask=torch.ones_like(long_prompt), max_new_tokens=1, do_sample=False)
         prefill = args.prefill_tokens / (time.perf_counter() - started)
     result = {"decode": decode, "prefill": prefill, "computes": str(model.model.dtype).removeprefix("torch.")}
     model.close()
     return result
+
+
+def phase(what: str) -> None:
+    """On stderr, for a run killed under the cap to say where it was."""
+    print(f"phase: {what}", file=sys.stderr, flush=True)
 
 
 def masked_compute_dtype(store: Path):
@@ -158,7 +166,8 @@ def capped(command: list[str], limit: str, cold: Path, timeout: int, env: dict[s
             break
     if process.returncode:
         if process.returncode in (-9, 137):
-            return "killed (out of memory)"
+            phases = re.findall(r"^phase: (.+)$", stderr, re.MULTILINE)
+            return "killed (out of memory)" + (f" while {phases[-1]}" if phases else "")
         lines = [line for line in stderr.strip().splitlines() if not line.startswith("memcap:")] or ["?"]
         return f"failed: {lines[-1][:120]}"
     peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", stderr)
@@ -206,10 +215,11 @@ def cell(runs: list[dict], key: str, digits: int = 2) -> str:
 
 
 def ratio_cell(ours: list[dict | str], theirs: list[dict | str], key: str) -> str:
-    """shardstream / llama.cpp, round by round: the median and the range over rounds."""
+    """shardstream / llama.cpp, round by round: the median and the range over rounds; where no round measured
+    both, which side failed and how."""
     pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, dict) and isinstance(b, dict)]
     if not pairs:
-        return ""
+        return f"shardstream {failure(ours)}" if failure(ours) else f"llama.cpp {failure(theirs)}"
     values = [(mib(a[key]) / mib(b[key])) if key == "peak" else a[key] / b[key] for a, b in pairs]
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
