@@ -66,7 +66,8 @@ class Setting:
     def name(self) -> str:
         if self.runtime == "shardstream":
             return f"shardstream, {'bf16' if self.kind == 'none' else self.kind} store"
-        return f"llama.cpp {self.kind.upper() if self.kind != 'bf16' else 'bf16'} GGUF{'' if self.mmap else ', -lm none (no mmap)'}"
+        kind = self.kind.upper() if self.kind != "bf16" else self.kind
+        return f"llama.cpp {kind} GGUF{'' if self.mmap else ', -lm none (no mmap)'}"
 
 
 def gguf_peer(compression: str) -> str | None:
@@ -124,7 +125,7 @@ def phase(what: str) -> None:
     print(f"phase: {what}", file=sys.stderr, flush=True)
 
 
-def masked_compute_dtype(store: Path):
+def masked_compute_dtype(store: Path) -> "torch.dtype":
     """What compute_dtype="auto" picks for this store on a CPU without MASKED_FLAGS: given explicitly, so that
     a shardstream that does not read SHARDSTREAM_CPU_FLAGS takes that path too."""
     import torch
@@ -150,7 +151,8 @@ def stream_args(args) -> argparse.Namespace:
 
 # -- running a setting under memcap ---------------------------------------------------------------
 
-def capped(command: list[str], limit: str, cold: Path, timeout: int, env: dict[str, str] | None = None) -> tuple[str, str] | str:
+def capped(command: list[str], limit: str, cold: Path, timeout: int,
+           env: dict[str, str] | None = None) -> tuple[str, str] | str:
     """(stdout, cgroup peak) of `command` run under `memcap limit --cold cold`, or what went wrong in a few words."""
     wrapped = [str(MEMCAP), limit, "--cold", str(cold), "--", *command]
     for _ in range(3):   # memcap names its cgroup after its pid: one left by a memcap killed earlier is in the way
@@ -231,13 +233,14 @@ def tables(results: dict[tuple[str, Setting], list[dict | str]], sections: list[
             for (section, setting), runs in results.items()]
     ratio_rows = []
     for section in sections:
-        for compression in compressions:
-            peer = gguf_peer(compression)
-            ours, theirs = results.get((section, Setting("shardstream", compression))), results.get((section, Setting("llama.cpp", peer)))
+        for compression in (c for c in compressions if gguf_peer(c)):
+            store, peer = Setting("shardstream", compression), Setting("llama.cpp", gguf_peer(compression))
+            ours, theirs = results.get((section, store)), results.get((section, peer))
             if ours and theirs:
-                ratio_rows.append([SECTIONS[section], f"{Setting('shardstream', compression).name} / "
-                                   f"{Setting('llama.cpp', peer).name}", *(ratio_cell(ours, theirs, k) for k in ("decode", "prefill", "peak"))])
-    return (markdown_table(["section", "setting", "decode tok/s", "prefill tok/s", "cgroup peak", "shardstream computes in"], rows)
+                ratio_rows.append([SECTIONS[section], f"{store.name} / {peer.name}",
+                                   *(ratio_cell(ours, theirs, key) for key in ("decode", "prefill", "peak"))])
+    header = ["section", "setting", "decode tok/s", "prefill tok/s", "cgroup peak", "shardstream computes in"]
+    return (markdown_table(header, rows)
             + "\n\nshardstream / llama.cpp, each round's pair (median, range over rounds):\n\n"
             + markdown_table(["section", "pair", "decode", "prefill", "peak"], ratio_rows))
 
