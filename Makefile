@@ -32,6 +32,7 @@ bench: setup   # each prints a markdown table; docs/BENCHMARKS.md holds the late
 	$(PY) benchmarks/planner.py --repeat 5
 	$(PY) benchmarks/data.py
 	$(PY) benchmarks/shard.py
+	$(PY) benchmarks/llamacpp.py --mask-bf16   # builds llama.cpp under artifacts/ once (minutes)
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache
