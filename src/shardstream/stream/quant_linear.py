@@ -66,8 +66,9 @@ PACKED_WHEN_RESIDENT = {"4bit", "int4"}
 # On a CUDA GPU, products of up to this many rows run the Triton kernel (quant_triton.py): a decode step, one row
 # a sequence of a batch or the k + 1 a speculative pass checks. Each of its programs decodes its codes for one
 # row, so its work grows with the rows while cuBLAS's product of a dequantized weight barely does: beyond them
-# (a prefill) the weight is dequantized, as before, and cuBLAS multiplies it. A guess from the kernel's shape,
-# not yet measured on a GPU (benchmarks/stream_gpu.py times both with SHARDSTREAM_TRITON=0 and without).
+# (a prefill) the weight is dequantized, as before, and cuBLAS multiplies it. Decode from the codes beats
+# dequantizing on a GPU (docs/BENCHMARKS.md, "Streaming on a GPU"); the bound of 16 rows is the kernel's shape,
+# not a measured crossover (benchmarks/stream_gpu.py times both, with SHARDSTREAM_TRITON=0 and without).
 TRITON_ROWS = 16
 TRITON_DTYPES = tuple(quant.DTYPES[name] for name in ROUND)   # x's dtypes the Triton kernel computes for
 # Compiler flags per torch CPU capability: the kernel is built for the widest vectors the CPU has.
