@@ -333,9 +333,11 @@ def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, p
                "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
     if cap:
         command = [str(MEMCAP), cap, *(["--cold", str(cold)] if cold else []), "--", *command]
+    # another venv's interpreter (AirLLM's) finds this checkout's package on the path, as this one does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for _ in range(3):   # memcap names its cgroup after its pid: one left by a memcap killed earlier is in the way
         try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env if python else None)
         except subprocess.TimeoutExpired:
             return f"timeout ({timeout} s)"
         if not re.search(r"cannot create directory \S*memcap-\d+\W+ File exists", run.stderr):

@@ -23,7 +23,7 @@ from ..store.partfile import tensor_from_bytes
 from . import half_linear
 from .direct import BufferPool, block_reading, read_direct, read_ranges, verify_unkept
 from .mapped import cool, map_part, map_ranges, release_unviewed, spans, verify_mapped
-from .quant_linear import PACKED_WHEN_RESIDENT, packable
+from .quant_linear import packable
 from .pieces import PIECE_BYTES, Piece
 from .weights import WeightMapper
 
@@ -230,7 +230,7 @@ class BlockLoader:
                 if None in tied:
                     continue
                 if quantized:
-                    resident = on_cpu and record.quant["method"] in PACKED_WHEN_RESIDENT
+                    resident = on_cpu   # a GPU dequantizes resident parts once, at load
                     packed[key] = resident
                     stored = record.length + record.quant["absmax"]["length"]
                 else:
@@ -268,7 +268,7 @@ class BlockLoader:
 
     def packing_saves(self, names: set[str] | frozenset[str], resident: bool = False) -> int:
         """Bytes of memory that the packed (or held as stored) ones among these parameters save against their
-        size in the model's dtype, streamed or (`resident`) in a resident part (quant_linear.PACKED_WHEN_RESIDENT)."""
+        size in the model's dtype, streamed or (`resident`) in a resident part (on a GPU those are dequantized)."""
         total = 0
         for name in names:
             saved, also_resident = self._packing_saves.get(name, (0, False))
@@ -322,8 +322,8 @@ class BlockLoader:
              tied: bool = True, mappings: list | None = None) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of these parts on the CPU, checksum-verified on their first read: mapped
         files (appended to `mappings` when given), or (for a block, inside `load`) pool buffers read with
-        O_DIRECT. Packed where marked (`pack_linear_weights`; in a `resident` part, only where packed
-        products are the faster), or where `keep` says. `tied=False` leaves tied aliases out (see `Store.load`)."""
+        O_DIRECT. Packed where marked (`pack_linear_weights`; in a `resident` part, only on the CPU: a GPU
+        dequantizes resident parts once), or where `keep` says. `tied=False` leaves tied aliases out (see `Store.load`)."""
         if keep is None:
             keep = self._resident_packed if resident else self.packed_keys
         tensors: dict[str, torch.Tensor] = {}

@@ -16,8 +16,9 @@ kernel, into a reused buffer) then the product the runtime ran on it, and that p
 | 1024 | 30-33 | 34-36 | 33-35 | 30-31 | 33-35 |
 
 So it serves every row count, prefills included. An 8-bit code is gathered from its 256-entry table
-rather than looked up in a register, which makes one row 2.4x slower than the product of a float32
-matrix already in memory (PACKED_WHEN_RESIDENT).
+rather than looked up in a register, which makes one row slower than the product of a float32 matrix
+already in memory; 8-bit weights stay packed in resident blocks all the same, since dequantized they would
+take four times their stored size in float32 (a 128k-token 8-bit head: 1 GB instead of 263 MB).
 
 Each output is one sum in a fixed order whatever the number of rows (see the .cpp): a row's product
 is the same bits alone or in any batch, and differs from dequantize-then-`F.linear` only in rounding
@@ -57,12 +58,6 @@ BUFFER_ROWS = {"4bit": 32, "8bit": 7}
 BITS = quant.CODE_BITS
 ROUND = quant.KERNEL_ROUNDING
 _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
-# Methods whose products from the codes beat the dequantized matrix held in memory (the table above), so
-# that a resident block keeps them packed too. 8-bit's gathers take 0.56 ms against 0.23 for 1 row: a
-# resident 8-bit block is dequantized once, at load, as before (one stream of the 8-bit reference model with
-# every block in memory: 0.062 s a token dequantized, 0.069 packed); a streamed one, dequantized on every
-# pass otherwise, stays packed.
-PACKED_WHEN_RESIDENT = {"4bit", "int4"}
 # On a CUDA GPU, products of up to this many rows run the Triton kernel (quant_triton.py): a decode step, one row
 # a sequence of a batch or the k + 1 a speculative pass checks. Each of its programs decodes its codes for one
 # row, so its work grows with the rows while cuBLAS's product of a dequantized weight barely does: beyond them
