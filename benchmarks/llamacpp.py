@@ -71,9 +71,11 @@ class Setting:
 
 
 def gguf_peer(compression: str) -> str | None:
-    """The GGUF type a shardstream store is compared with: bf16 for none, Q8_0 for 8-bit, Q4_0 for 4-bit methods."""
-    bits = re.match(r"(\d+)bit", compression)
-    return "bf16" if compression == "none" else {"8": "q8_0", "4": "q4_0"}.get(bits.group(1)) if bits else None
+    """The GGUF type a shardstream store is compared with: bf16 for none, Q8_0 for 8-bit, Q4_0 for 4-bit methods
+    (the code width each method records, quant.CODE_BITS: NF4 and int4 alike)."""
+    from shardstream.quant import CODE_BITS
+
+    return "bf16" if compression == "none" else {8: "q8_0", 4: "q4_0"}.get(CODE_BITS.get(compression))
 
 
 def settings(compressions: list[str], section: str) -> list[Setting]:

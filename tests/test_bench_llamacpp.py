@@ -63,9 +63,9 @@ def test_stores_are_paired_with_the_gguf_type_of_their_bits():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from llamacpp import Setting, gguf_peer, settings
 
-    assert [gguf_peer(c) for c in ("none", "8bit", "4bit", "4bit-fast", "mixed")] == ["bf16", "q8_0", "q4_0", "q4_0", None]
-    ordered = [(s.runtime, s.kind, s.mmap) for s in settings(["none", "4bit", "4bit-fast", "mixed"], "capped")]
+    assert [gguf_peer(c) for c in ("none", "8bit", "4bit", "int4", "mixed")] == ["bf16", "q8_0", "q4_0", "q4_0", None]
+    ordered = [(s.runtime, s.kind, s.mmap) for s in settings(["none", "4bit", "int4", "mixed"], "capped")]
     assert ordered == [("llama.cpp", "bf16", True), ("llama.cpp", "bf16", False), ("shardstream", "none", True),
                        ("llama.cpp", "q8_0", True), ("llama.cpp", "q4_0", True), ("shardstream", "4bit", True),
-                       ("shardstream", "4bit-fast", True), ("shardstream", "mixed", True)]
+                       ("shardstream", "int4", True), ("shardstream", "mixed", True)]
     assert Setting("shardstream", "none").name == "shardstream, bf16 store"
