@@ -36,10 +36,17 @@ def _train_args(tmp_path, model, samples: int, *extra: str) -> list[str]:
 
 
 def test_train_two_workers_end_to_end_then_status(tmp_path, tiny_model):
+    """From a checkpoint with weights; each worker once drew transformers' weight-loading bar, ending in a
+    carriage return, so the run's last line ("trained N steps") was printed over a bar."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_model, checkpoint)
+    load_model(str(tiny_model), 0).save_pretrained(checkpoint)
     log = tmp_path / "artifacts" / "metrics.jsonl"
-    result = run_cli(*_train_args(tmp_path, tiny_model, 100, "--dataset-chunk-size", "10", "--parallel-independent",
+    result = run_cli(*_train_args(tmp_path, checkpoint, 100, "--dataset-chunk-size", "10", "--parallel-independent",
                                   "--workers", "2", "--stop-after-epoch", "--log-file", log))
     assert result.returncode == 0, result.stderr
+    assert "Loading weights" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("trained ")
     assert "10/10 chunks done" in result.stdout
     steps = [r for r in read_jsonl(log) if r["event"] == "step"]
     assert len(steps) == 50 and {"step", "loss", "tokens_per_s", "block", "chunk", "worker"} <= steps[0].keys()
@@ -181,18 +188,6 @@ def test_two_workers_with_steps_a_multiple_of_a_chunk_finish_whole_chunks_and_th
         result = run_cli(*args)
         assert result.returncode == 0, result.stderr
         assert f"epoch 0: {done}/4 chunks done" in result.stdout
-
-
-def test_two_workers_loading_a_checkpoint_draw_no_loading_bar(tmp_path, tiny_model):
-    """Each worker drew transformers' weight-loading bar, ending in a carriage return, so the run's last line
-    ("trained N steps") was printed over a bar."""
-    checkpoint = tmp_path / "checkpoint"
-    shutil.copytree(tiny_model, checkpoint)
-    load_model(str(tiny_model), 0).save_pretrained(checkpoint)
-    result = run_cli(*_train_args(tmp_path, checkpoint, 20, "--dataset-chunk-size", "10", "--workers", "2"))
-    assert result.returncode == 0, result.stderr
-    assert "Loading weights" not in result.stderr, result.stderr
-    assert result.stdout.splitlines()[-1].startswith("trained ")
 
 
 def test_an_unreachable_hub_dataset_is_one_line_at_once(tmp_path, tiny_model):
