@@ -88,6 +88,22 @@ def test_the_hub_token_is_hf_token_in_every_command_that_downloads(checkpoint, t
 
 
 
+def test_a_draft_opens_with_the_models_token_and_compute_dtype(checkpoint, tmp_path):
+    """`--draft` from a gated Hub repo: the model's --hf-token reaches it, and it computes in the model's
+    --compute-dtype, each said in its own line."""
+    with serve_hub({"tiny-org/draft": checkpoint}, token=SECRET) as (url, _):
+        env = {**os.environ, "HF_ENDPOINT": url.rstrip("/"), "HF_HOME": str(tmp_path / "hf"),
+               "SHARDSTREAM_CACHE": str(tmp_path / "cache")}
+        env.pop("HF_TOKEN", None)
+        done = subprocess.run([*CLI, "generate", str(checkpoint), "--store-path", "target", "--prompt", "hi",
+                               "--max-new-tokens", "2", "--draft", "tiny-org/draft", "--hf-token", SECRET,
+                               "--compute-dtype", "bfloat16", "--no-progress"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "shardstream: compute dtype: bfloat16 (asked for; the checkpoint is float32)" in done.stderr, done.stderr
+    assert "shardstream: draft: compute dtype: bfloat16 (asked for; the checkpoint is float32)" in done.stderr, done.stderr
+
+
 SIZE = "a size such as 500MB, 2GB or 2GiB, or auto"
 
 

@@ -63,11 +63,11 @@ def check_device(device: str) -> None:
 def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
                profile: bool = False, progress: bool = True, batch_size: int = 1,
                max_host_memory: str = "auto", converting: Converting | None = None,
-               compute_dtype: str = "auto", experts: str = "with-block") -> StreamingModel:
+               compute_dtype: str = "auto", experts: str = "with-block", role: str = "") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
     options, which mean what they mean to `shardstream convert`). For batches of more than one
     sequence, `auto` residency, experts held on demand and the pieces leave memory to the KV caches
-    (residency.py, pieces.py)."""
+    (residency.py, pieces.py). `role` ("draft") names the model in the lines it prints."""
     from .pieces import BATCH_PIECE_BYTES
     from .residency import batch_resident_budget
 
@@ -81,7 +81,7 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
     from .auto import AutoModel
 
     converting = converting or Converting()
-    with _compute_dtype_to_stderr(compute_dtype):
+    with _compute_dtype_to_stderr(compute_dtype, role):
         return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                          sequential_shard_processing=converting.sequential,
                                          compression=compression(converting.compression),
@@ -109,14 +109,14 @@ def memory_options(max_resident_memory: str, max_host_memory: str, device: str) 
 
 
 @contextlib.contextmanager
-def _compute_dtype_to_stderr(option: str) -> Iterator[None]:
+def _compute_dtype_to_stderr(option: str, role: str = "") -> Iterator[None]:
     """Check --compute-dtype before any conversion; while the model loads, its choice (and why) goes to
     stderr as one line (the logger is left as it was: tests call the commands in-process)."""
     from .compute_dtype import log, parse_compute_dtype
 
     parse_compute_dtype(option, "--compute-dtype")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("shardstream: %(message)s"))
+    handler.setFormatter(logging.Formatter(f"shardstream: {role + ': ' if role else ''}%(message)s"))
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

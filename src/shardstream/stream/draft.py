@@ -7,22 +7,25 @@ this module only opens the draft, sets how many tokens it proposes and reports w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
-from .auto import AutoModel
+from .cli import Converting, open_model
 from .model import StreamingModel
 from ..serving.text import load_tokenizer
 
 
-STREAMED_DRAFT_TOKENS = 8   # benchmarks/stream.py's speculative section (text-trained draft): 3.3 tokens per pass against 1.9 adaptive
+STREAMED_DRAFT_TOKENS = 8   # against the adaptive schedule: benchmarks/stream.py's speculative section (docs/BENCHMARKS.md)
 
 
 def open_draft(source: str, device: str, draft_tokens: int | None, progress: bool,
-               target: StreamingModel | None = None) -> StreamingModel:
-    """The draft is small: 'auto' keeps all of its blocks in memory when they fit.
+               target: StreamingModel | None = None, compute_dtype: str = "auto",
+               converting: Converting | None = None) -> StreamingModel:
+    """The draft is small: 'auto' keeps all of its blocks in memory when they fit. It is opened with the
+    model's options: `compute_dtype`, and `converting`'s token, compression and --sequential when it is a
+    checkpoint or a Hub id (not its revision, which names one of the model's).
 
     `draft_tokens` N = always propose N. None: when the target streams blocks, every pass costs a
     read of them, which a longer guess shares, so a fixed STREAMED_DRAFT_TOKENS; when all its blocks
@@ -32,7 +35,9 @@ def open_draft(source: str, device: str, draft_tokens: int | None, progress: boo
         raise InvalidOption(f"--draft-tokens must be at least 1, not {draft_tokens}.")
     if draft_tokens is None and target is not None and streams_blocks(target):
         draft_tokens = STREAMED_DRAFT_TOKENS
-    draft = AutoModel.from_pretrained(source, device=device, max_resident_memory="auto", progress=progress)
+    converting = converting or Converting()
+    draft = open_model(source, None, "auto", device, progress=progress, compute_dtype=compute_dtype,
+                       converting=replace(converting, revision=None), role="draft")
     config = draft.generation_config
     config.num_assistant_tokens = draft_tokens or 5
     config.num_assistant_tokens_schedule = "constant" if draft_tokens else "heuristic"

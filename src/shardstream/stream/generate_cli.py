@@ -26,7 +26,7 @@ def generate_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).",
                                                 callback=whole_number(-2**63, 2**64 - 1))] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")] = None,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id, opened with this model's --compute-dtype, --hf-token, --compression and --sequential.")] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).",
                                                         callback=whole_number(1))] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches.")] = None,
@@ -121,7 +121,7 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
         if stops:
             options.update(stop_strings=stops, tokenizer=tokenizer)
         if draft is not None:
-            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model))))
+            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, compute_dtype, converting))))
         set_seed(seed)
         out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops))
         if profile:
