@@ -14,6 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
+from shardstream.errors import ShardstreamError
+from shardstream.stream.generate_cli import generate_command
 from shardstream.stream.mapped import release_unviewed
 from tiny_models import char_tokenizer, llama_store_with_tokenizer, save_checkpoint
 
@@ -120,30 +122,28 @@ def test_experts_option_is_checked(tmp_path, extra, message):
     assert message in " ".join(run.stderr.split()), run.stderr
 
 
-def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path):
+def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path, capsys):
+    """`generate --experts on-demand` (the command's body, in this process): refused on a store whose experts
+    are not placed apart, then, after `shard --experts`, the text of the experts read with their block, for
+    one prompt and for a batch (where experts held between passes are budgeted as residency)."""
     save_checkpoint("mixtral", tmp_path / "ckpt")
     char_tokenizer().save_pretrained(tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
-    plain = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello", "--max-new-tokens", "4",
-                            "--no-progress"], capture_output=True, text=True, timeout=240)
-    refused = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello", "--no-progress",
-                              "--experts", "on-demand"], capture_output=True, text=True, timeout=240)
-    subprocess.run([SHARDSTREAM, "shard", str(tmp_path / "store"), "--experts"], check=True, capture_output=True, timeout=240)
-    routed = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello", "--max-new-tokens",
-                             "4", "--no-progress", "--experts", "on-demand"], capture_output=True, text=True, timeout=240)
+    store = tmp_path / "store"
+    convert(tmp_path / "ckpt", store, progress=False)
+    generate_command(str(store), prompt="hello", max_new_tokens=4, no_progress=True)
+    plain = capsys.readouterr().out
+    with pytest.raises(ShardstreamError, match="run `shardstream shard"):
+        generate_command(str(store), prompt="hello", no_progress=True, experts="on-demand")
+    subprocess.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
+    generate_command(str(store), prompt="hello", max_new_tokens=4, no_progress=True, experts="on-demand")
+    assert capsys.readouterr().out == plain
 
     (tmp_path / "prompts.txt").write_text("hello\nthe cat sat\nhello\n")
     batches = {}
-    for experts in ("with-block", "on-demand"):   # a batch: experts held between passes are budgeted as residency
+    for experts in ("with-block", "on-demand"):
         batches[experts] = tmp_path / f"{experts}.jsonl"
-        run = subprocess.run([SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompts-file", str(tmp_path / "prompts.txt"),
-                              "--output", str(batches[experts]), "--batch-size", "3", "--max-new-tokens", "4",
-                              "--no-progress", "--experts", experts], capture_output=True, text=True, timeout=240)
-        assert run.returncode == 0, run.stderr[-2000:]
-
-    assert refused.returncode == 1 and "run `shardstream shard" in refused.stderr, refused.stderr
-    assert plain.returncode == 0 and routed.returncode == 0, routed.stderr
-    assert routed.stdout == plain.stdout
+        generate_command(str(store), prompts_file=tmp_path / "prompts.txt", output=batches[experts], batch_size=3,
+                         max_new_tokens=4, no_progress=True, experts=experts)
     assert batches["on-demand"].read_text() == batches["with-block"].read_text()
 
 
