@@ -190,6 +190,7 @@ def quantized_run(ckpt: Path, store: Path, method: str, ids, kernel_on: bool) ->
     from shardstream.convert import convert
     from shardstream.store import open_store
     from shardstream.stream import AutoModel, int4_linear
+    from shardstream.switches import INT4_KERNEL
 
     if not (store / "manifest.json").exists():
         convert(ckpt, store, compression=method, progress=False)
@@ -204,13 +205,13 @@ def quantized_run(ckpt: Path, store: Path, method: str, ids, kernel_on: bool) ->
                 want = original.get_tensor(name).float()
                 error += (opened.load_tensor(name).float() - want).square().sum().item()
                 total += want.square().sum().item()
-    os.environ[int4_linear.SWITCH] = "1" if kernel_on else "0"
+    os.environ[INT4_KERNEL.name] = "1" if kernel_on else "0"
     int4_linear._library.cache_clear()
     try:
         with AutoModel.from_pretrained(store, compute_dtype="float32", max_resident_memory=None) as model, torch.no_grad():
             logits = model(ids).logits[0].float()
     finally:
-        del os.environ[int4_linear.SWITCH]
+        del os.environ[INT4_KERNEL.name]
         int4_linear._library.cache_clear()
     return (error / total) ** 0.5, logits
 

@@ -764,17 +764,18 @@ def main() -> None:
 
 def bf16_flags() -> str:
     """The CPU's bf16 and fp16 flags as /proc/cpuinfo lists them and as the runs see them."""
-    from shardstream.stream.compute_dtype import FAST_CPU_FLAGS, FLAGS_ENV, cpu_flags
+    from shardstream.stream.compute_dtype import FAST_CPU_FLAGS, cpu_flags
+    from shardstream.switches import CPU_FLAGS
 
     names = [flag for flags in FAST_CPU_FLAGS.values() for flag in flags]
-    masked = os.environ.pop(FLAGS_ENV, None)
+    masked = os.environ.pop(CPU_FLAGS.name, None)
     listed = sorted(set(names) & cpu_flags())
     if masked is not None:
-        os.environ[FLAGS_ENV] = masked
+        os.environ[CPU_FLAGS.name] = masked
     seen = sorted(set(names) & cpu_flags())
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return (f"CPU bf16/fp16 flags: listed {', '.join(listed) or 'none'}; as the runs see them "
-            f"({FLAGS_ENV}={masked or 'unset'}): {', '.join(seen) or 'none'}; ONEDNN_MAX_CPU_ISA={onednn or 'unset'}.")
+            f"({CPU_FLAGS.name}={masked or 'unset'}): {', '.join(seen) or 'none'}; ONEDNN_MAX_CPU_ISA={onednn or 'unset'}.")
 
 
 def single_stream(args, ckpt: Path, store: Path, cap: str, per_token: int) -> None:

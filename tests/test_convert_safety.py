@@ -21,7 +21,7 @@ from tiny_models import save_checkpoint
 
 from shardstream.convert import ConvertReport, convert
 from shardstream.errors import CorruptShard, InvalidOption, SourceNotFound, SourceUnreachable
-from shardstream.stream.resolve import CACHE_ENV, default_store_path, ensure_store
+from shardstream.stream.resolve import default_store_path, ensure_store
 
 CLI = [sys.executable, "-m", "shardstream.cli"]
 
@@ -44,7 +44,7 @@ def two_models(tmp_path_factory) -> Path:
 
 
 def test_cache_is_keyed_by_the_resolved_folder(two_models, tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     monkeypatch.chdir(two_models)
     first = ensure_store("./src3", None, progress=False)
     monkeypatch.chdir(two_models / "other")
@@ -57,7 +57,7 @@ def test_cache_is_keyed_by_the_resolved_folder(two_models, tmp_path, monkeypatch
 
 
 def test_changed_source_is_converted_again_in_the_cache_and_refused_elsewhere(tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     src = tmp_path / "src"
     save_checkpoint("llama", src, seed=0)
     before = store_tensors(ensure_store(src, None, progress=False).root)
@@ -76,7 +76,7 @@ def test_changed_source_is_converted_again_in_the_cache_and_refused_elsewhere(tm
 
 
 def test_hub_ids_and_urls_are_keyed_with_their_revision(tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE.name, str(tmp_path))
     assert default_store_path("org/name") != default_store_path("org/name", "v2")
     assert default_store_path("org/name") == default_store_path("hf://org/name", "main")
     assert default_store_path("http://h/m") == default_store_path("http://h/m/")
@@ -139,7 +139,7 @@ def test_converting_a_store_says_use_it_directly(src1, tmp_path):
 
 
 def test_missing_source_in_the_cache_creates_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     with pytest.raises(SourceNotFound):
         ensure_store(tmp_path / "nomodel", None, progress=False)
     assert not (tmp_path / "cache").exists()
@@ -217,6 +217,7 @@ HUB_CONVERT = """
 import sys
 from shardstream.convert import convert
 from shardstream.errors import CorruptShard
+from shardstream.switches import CACHE
 try:
     convert("tiny-org/tiny", sys.argv[1], progress=False)
 except CorruptShard as exc:

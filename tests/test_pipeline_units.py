@@ -17,7 +17,8 @@ from shardstream.pipeline.stage import StageModel
 from shardstream.pipeline.transport import pack, unpack
 from shardstream.store import open_store
 from shardstream.store.checksum import checksum_bytes
-from shardstream.stream.direct import ENV, BufferPool
+from shardstream.stream.direct import BufferPool
+from shardstream.switches import DIRECT_IO
 from tiny_models import save_checkpoint
 
 PROMPT = torch.tensor([[1, 5, 9, 20, 33, 7]])
@@ -209,7 +210,7 @@ def test_a_streamed_stage_of_a_quantized_store_reuses_its_buffers(tmp_path, monk
         pools.append(pool)
 
     monkeypatch.setattr(BufferPool, "__init__", recorded)
-    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(DIRECT_IO.name, mode)
     n = store.num_layers
     streamed, in_memory = StageModel(store, 0, n, stream_budget=0), StageModel(store, 0, n)
     assert streamed.streamed_blocks == list(range(n))

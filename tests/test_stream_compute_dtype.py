@@ -19,6 +19,7 @@ from shardstream.errors import InvalidOption
 from shardstream.serving import admission
 from shardstream.stream import AutoModel, compute_dtype, loader, quant_linear
 from shardstream.serving.admission import MIN_PREFILL_CHUNK, Shape, kv_peak, prefill_chunk
+from shardstream.switches import CPU_FLAGS
 from counting import linear_dequantizations
 from tiny_models import char_tokenizer, save_checkpoint
 
@@ -89,11 +90,11 @@ def test_this_machine_reports_its_cpu_flags():
 def test_the_environment_masks_and_adds_cpu_flags(monkeypatch):
     """SHARDSTREAM_CPU_FLAGS edits what cpu_flags reports, so any machine can take either path; a malformed
     entry is one sentence naming the variable."""
-    monkeypatch.delenv(compute_dtype.FLAGS_ENV, raising=False)
+    monkeypatch.delenv(CPU_FLAGS.name, raising=False)
     listed = compute_dtype.cpu_flags()
-    monkeypatch.setenv(compute_dtype.FLAGS_ENV, " -avx512_bf16, -amx_bf16,+made_up_flag ")
+    monkeypatch.setenv(CPU_FLAGS.name, " -avx512_bf16, -amx_bf16,+made_up_flag ")
     assert compute_dtype.cpu_flags() == (listed - {"avx512_bf16", "amx_bf16"}) | {"made_up_flag"}
-    monkeypatch.setenv(compute_dtype.FLAGS_ENV, "-avx512_bf16,amx_bf16")
+    monkeypatch.setenv(CPU_FLAGS.name, "-avx512_bf16,amx_bf16")
     with pytest.raises(InvalidOption, match=r"SHARDSTREAM_CPU_FLAGS entry 'amx_bf16' is neither -flag \(mask it\) nor "
                                             r"\+flag \(add it\); write e.g. SHARDSTREAM_CPU_FLAGS=-avx512_bf16,-amx_bf16."):
         compute_dtype.cpu_flags()
@@ -108,7 +109,7 @@ def test_auto_says_what_it_chose_and_why(stores, monkeypatch, caplog, flags, cho
     """The flags pinned through the environment, whatever this machine has; on a CPU without bf16 instructions
     the weights stay bfloat16 (held as stored: the Linears' `packed`), multiplied in float32."""
     _, store = stores("llama", "bfloat16")
-    monkeypatch.setenv(compute_dtype.FLAGS_ENV, flags)
+    monkeypatch.setenv(CPU_FLAGS.name, flags)
     with caplog.at_level(logging.INFO, "shardstream"), \
             AutoModel.from_pretrained(store, max_resident_memory=None) as model:
         assert model.model.dtype == chosen

@@ -34,7 +34,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def switched_off(monkeypatch):
     """Switches the kernel off by its environment variable until the end of the test."""
     def switch_off():
-        monkeypatch.setenv(half_linear.SWITCH, "0")
+        monkeypatch.setenv(HALF_KERNEL.name, "0")
         half_linear._library.cache_clear()
     yield switch_off
     half_linear._library.cache_clear()
@@ -87,7 +87,7 @@ def test_the_fallback_gives_the_kernels_products(dtype, switched_off, caplog, mo
     with caplog.at_level(logging.INFO, logger="shardstream.stream"):
         switched_off()
         assert not half_linear.available()
-    assert f"half-precision weight kernel: off ({half_linear.SWITCH}=0)" in caplog.text
+    assert f"half-precision weight kernel: off ({HALF_KERNEL.name}=0)" in caplog.text
     for rows, x in xs.items():
         got = half_linear.linear(x, weight, bias)
         torch.testing.assert_close(got, _reference(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -147,7 +147,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 @pytest.mark.parametrize("kernel", [pytest.param("1", marks=needs_kernel), "0"])
 def test_no_float32_copy_of_the_weight_is_made(kernel):
     """The peak memory of a process multiplying a 525 MB bfloat16 head grows by a few MB, not by its 1 GB float32 copy."""
-    env = {**os.environ, half_linear.SWITCH: kernel}
+    env = {**os.environ, HALF_KERNEL.name: kernel}
     run = subprocess.run([sys.executable, "-c", PEAK_CHECK, kernel], capture_output=True, text=True, timeout=300,
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -169,6 +169,7 @@ WITHOUT_COMPILER = """
 import logging, torch
 logging.basicConfig(level=logging.INFO, format='%(message)s')
 from shardstream.stream import half_linear
+from shardstream.switches import HALF_KERNEL
 weight, x = torch.randn(5, 40).to(torch.bfloat16), torch.randn(3, 40)
 torch.testing.assert_close(half_linear.linear(x, weight, None), x @ weight.float().t(), rtol=1e-5, atol=1e-5)
 print(half_linear.available())

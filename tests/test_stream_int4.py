@@ -156,6 +156,7 @@ BUILD_CHECK = """
 import sys, torch
 from shardstream import quant
 from shardstream.stream import int4_linear
+from shardstream.switches import INT4_KERNEL
 print(int4_linear.build(), int4_linear.available())
 torch.manual_seed(0)
 got = []
@@ -207,7 +208,7 @@ def test_switched_off_it_dequantizes(monkeypatch):
     weight = quant.quantize(randn(16, 64), "int4")
     x = torch.randn(3, 64)
     dense = quant.dequantize(weight.data, weight.absmax, weight.meta)
-    monkeypatch.setenv(int4_linear.SWITCH, "0")
+    monkeypatch.setenv(INT4_KERNEL.name, "0")
     int4_linear._library.cache_clear()
     try:
         assert not quant_linear.packable(weight.meta)

@@ -18,7 +18,8 @@ from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.store import open_store
 from shardstream.stream import AutoModel
 from shardstream.stream import direct
-from shardstream.stream.direct import ENV, block_reading, read_buffer
+from shardstream.stream.direct import block_reading, read_buffer
+from shardstream.switches import DIRECT_IO
 from tiny_models import save_checkpoint
 
 IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
@@ -32,7 +33,7 @@ def build(folder, compression=None):
 
 def run(store, mode, monkeypatch):
     """Logits of a prompt and 3 greedy tokens with pure streaming, and the loader (to see how it read)."""
-    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(DIRECT_IO.name, mode)
     model = AutoModel.from_pretrained(store, max_resident_memory=0)
     try:
         logits = model(IDS).logits
@@ -103,7 +104,7 @@ def test_corrupt_block_fails_its_checksum_on_the_first_direct_read(tmp_path, mon
         byte = handle.read(1)
         handle.seek(100)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    monkeypatch.setenv(ENV, "on")
+    monkeypatch.setenv(DIRECT_IO.name, "on")
     model = AutoModel.from_pretrained(store, max_resident_memory=0)
     try:
         with pytest.raises(StoreCorrupt, match=r"fails its checksum; re-run `shardstream convert`"):
@@ -136,7 +137,7 @@ def test_falls_back_to_mapping_where_o_direct_is_refused(tmp_path, ramfs, monkey
 
 def test_auto_keeps_the_page_cache_when_the_blocks_fit(tmp_path, monkeypatch):
     store = open_store(build(tmp_path))
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(DIRECT_IO.name, raising=False)
     assert block_reading(store) == "mapped"  # a tiny model: a warm page cache beats reading it again
     # blocks larger than the memory: O_DIRECT into huge pages, else read and dropped on a CPU, O_DIRECT
     # where copies cost more
@@ -167,6 +168,6 @@ def test_read_buffers_get_huge_pages():
 
 def test_unknown_mode_is_refused_with_the_variable_named(tmp_path, monkeypatch):
     store = open_store(build(tmp_path))
-    monkeypatch.setenv(ENV, "sometimes")
+    monkeypatch.setenv(DIRECT_IO.name, "sometimes")
     with pytest.raises(InvalidOption, match=r"SHARDSTREAM_DIRECT_IO must be one of auto, on, off, dropped, not 'sometimes'"):
         block_reading(store)

@@ -21,7 +21,7 @@ from shardstream.errors import StoreCorrupt
 from shardstream.shard import place_experts
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel, pieces, prefetch, quant_linear
-from shardstream.stream.direct import ENV
+from shardstream.switches import DIRECT_IO, QUANT_KERNEL
 from tiny_models import CONFIGS, save_checkpoint
 
 IDS = torch.tensor([[5, 9, 2, 7, 11, 3], [8, 4, 6, 10, 12, 13]])
@@ -85,7 +85,7 @@ def test_direct_and_mapped_pieces_match_whole_blocks(tmp_path, monkeypatch, comp
     results = {}
     for split, mode in [(False, "off"), (True, "off"), (True, "on")]:
         monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", SMALL if split else 1 << 40)
-        monkeypatch.setenv(ENV, mode)
+        monkeypatch.setenv(DIRECT_IO.name, mode)
         with StreamingModel(store, max_resident_memory=0) as model:
             assert model._loader.direct == (mode == "on")
             assert all((len(p) > 2) == split for p in model.pieces.values())
@@ -106,7 +106,7 @@ def test_a_corrupt_block_fails_its_checksum_on_the_first_token(tmp_path, monkeyp
     data = bytearray((store.root / name).read_bytes())
     data[-1] ^= 0xFF   # the end of the file: a tensor no piece 0 reads
     (store.root / name).write_bytes(bytes(data))
-    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(DIRECT_IO.name, mode)
     with StreamingModel(store, max_resident_memory=0) as model:
         with pytest.raises(StoreCorrupt, match=r"mid/2/.* fails its checksum; re-run `shardstream convert`"):
             model(IDS)
@@ -222,7 +222,7 @@ def test_a_batch_engines_model_streams_smaller_pieces(tmp_path, monkeypatch):
 @pytest.fixture
 def dequantizing(monkeypatch):
     """Quantized Linears dequantized on every pass, as without the kernel (quant_linear.py)."""
-    monkeypatch.setenv(quant_linear.SWITCH, "0")
+    monkeypatch.setenv(QUANT_KERNEL.name, "0")
     quant_linear._library.cache_clear()
     yield
     quant_linear._library.cache_clear()
@@ -237,7 +237,7 @@ def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monk
     from shardstream.stream import model as streaming
 
     _, store = _store(tmp_path, compression="4bit")
-    monkeypatch.setenv(ENV, mode)
+    monkeypatch.setenv(DIRECT_IO.name, mode)
     threads: list[str] = []
     real = quant.dequantize
 
@@ -275,7 +275,7 @@ def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_bac
     from shardstream import quant
 
     _, store = _store(tmp_path, compression="4bit")
-    monkeypatch.setenv(ENV, "on")
+    monkeypatch.setenv(DIRECT_IO.name, "on")
     many = IDS.repeat(2, 2)
     with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():
         model(many)

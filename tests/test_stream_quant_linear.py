@@ -87,6 +87,7 @@ AVX2_CHECK = """
 import torch, torch.nn.functional as F
 from shardstream import quant
 from shardstream.stream import quant_linear
+from shardstream.switches import QUANT_KERNEL
 assert torch.backends.cpu.get_cpu_capability() == "AVX2" and quant_linear.available()
 torch.manual_seed(0)
 for out_features, in_features, blocksize, method, dtype in [(40, 96, 64, "4bit", torch.float32), (67, 32, 16, "4bit", torch.float32),
@@ -162,7 +163,7 @@ def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, 
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
         packed = model(ids).logits
-    monkeypatch.setenv(quant_linear.SWITCH, "0")
+    monkeypatch.setenv(QUANT_KERNEL.name, "0")
     quant_linear._library.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="shardstream.stream"):
@@ -171,7 +172,7 @@ def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, 
                 assert model._loader.packed_keys == frozenset()
                 plain = model(ids).logits
                 assert dequantized
-        assert f"quantized-weight kernel: off ({quant_linear.SWITCH}=0)" in caplog.text
+        assert f"quantized-weight kernel: off ({QUANT_KERNEL.name}=0)" in caplog.text
     finally:
         quant_linear._library.cache_clear()
     assert (packed - plain).abs().max().item() <= 1e-5

@@ -32,8 +32,8 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
-from shardstream.stream.compute_dtype import FLAGS_ENV
 from shardstream.stream.ends import StreamedHead
+from shardstream.switches import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from real_shapes import write_checkpoint  # noqa: E402
@@ -50,7 +50,7 @@ def cpu(request, monkeypatch) -> torch.dtype:
     """This test as on a CPU with bf16 instructions and as on one without (flags pinned, subprocesses
     included); the compute dtype `auto` picks there for a bf16 store."""
     flags, dtype = CPUS[request.param]
-    monkeypatch.setenv(FLAGS_ENV, flags)
+    monkeypatch.setenv(CPU_FLAGS.name, flags)
     return dtype
 
 

@@ -14,9 +14,10 @@ import typer
 
 from ..errors import InvalidOption
 from ..options import model_id
+from ..switches import API_KEY, TOKEN
 
 Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
-                                    envvar="SHARDSTREAM_TOKEN")]
+                                    envvar=TOKEN.name)]
 
 
 def agent_command(
@@ -55,7 +56,7 @@ def agent_command(
 
     follow_parent()
     if not token:
-        raise InvalidOption("--token is empty; give the agent a shared secret (or set SHARDSTREAM_TOKEN).")
+        raise InvalidOption(f"--token is empty; give the agent a shared secret (or set {TOKEN.name}).")
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     if threads is not None:
         if threads < 1:
@@ -185,7 +186,7 @@ def coordinator_command(
     seed: Annotated[Optional[int], typer.Option(help="With --generate: seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="With --generate: end at this text, left out of the output; repeatable.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
-        envvar="SHARDSTREAM_API_KEY", help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
+        envvar=API_KEY.name, help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
                                            "but /health and the agents' /stages, which want --token); without it the "
                                            "API wants --token.")] = None,
     model_name: Annotated[Optional[list[str]], typer.Option(

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from ..errors import SourceUnreachable
+from ..switches import PARENT_PID
 
 
 @dataclass
@@ -57,7 +58,7 @@ def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 30
                    "--cache-dir", str(folder / name), "--threads", threads] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, PARENT_ENV: str(os.getpid())})
+                                       env={**os.environ, PARENT_PID.name: str(os.getpid())})
         started.append((LocalAgent(name, "", process, log), ready))
     agents = [agent for agent, _ in started]
     deadline = time.monotonic() + timeout
@@ -79,7 +80,6 @@ def _read_port(agent: LocalAgent, ready: Path) -> bool:
     return True
 
 
-PARENT_ENV = "SHARDSTREAM_PARENT_PID"
 
 
 def follow_parent() -> None:
@@ -87,7 +87,7 @@ def follow_parent() -> None:
     so no local agent outlives a crashed demo or test run (Linux prctl PR_SET_PDEATHSIG). Done in
     the agent itself, not in a `preexec_fn`, which can deadlock a parent that has threads. Under a
     wrapper the agent's parent is the wrapper, so a thread watches the starting process instead."""
-    parent = os.environ.pop(PARENT_ENV, None)
+    parent = PARENT_PID.pop()
     if parent is None or sys.platform != "linux":
         return
     if os.getppid() != int(parent):   # started through a `wrapper` (memcap): watch the starter instead

@@ -31,11 +31,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import native
+from ..switches import PASS_MEMORY
 
 log = logging.getLogger("shardstream.batching")
 
 SOURCE = Path(__file__).with_name("pass_memory.cpp")
-SWITCH = "SHARDSTREAM_PASS_MEMORY"
 
 
 _installed: ctypes.CDLL | None = None
@@ -73,8 +73,8 @@ def reused_blocks() -> int:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(SWITCH, "1") == "0":
-        log.info("pass memory reuse: off (%s=0)", SWITCH)
+    if PASS_MEMORY.off():
+        log.info("pass memory reuse: off (%s=0)", PASS_MEMORY.name)
         return None
     library = native.build(SOURCE, [], ["c10"], log, "pass memory reuse", "prefill passes take about 20% longer")
     if library is not None:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from ..errors import InvalidOption
+from ..switches import CPU_FLAGS
 
 log = logging.getLogger("shardstream.compute_dtype")
 
@@ -32,7 +32,6 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 # /proc/cpuinfo flags any one of which makes products in that dtype faster than in float32
 FAST_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 CPUINFO = Path("/proc/cpuinfo")
-FLAGS_ENV = "SHARDSTREAM_CPU_FLAGS"   # comma-separated "-flag" (masked) and "+flag" (added) edits of cpu_flags()
 
 
 def parse_compute_dtype(value: str | torch.dtype | None, option: str = "compute_dtype") -> torch.dtype | None:
@@ -52,10 +51,10 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (none where there is no /proc/cpuinfo), edited by
     $SHARDSTREAM_CPU_FLAGS."""
     flags = set(_listed_flags())
-    for entry in filter(None, (part.strip() for part in os.environ.get(FLAGS_ENV, "").split(","))):
+    for entry in filter(None, (part.strip() for part in CPU_FLAGS.get().split(","))):
         if entry[0] not in "+-" or len(entry) == 1:
-            raise InvalidOption(f"{FLAGS_ENV} entry {entry!r} is neither -flag (mask it) nor +flag (add it); "
-                                f"write e.g. {FLAGS_ENV}=-avx512_bf16,-amx_bf16.")
+            raise InvalidOption(f"{CPU_FLAGS.name} entry {entry!r} is neither -flag (mask it) nor +flag (add it); "
+                                f"write e.g. {CPU_FLAGS.name}=-avx512_bf16,-amx_bf16.")
         (flags.add if entry[0] == "+" else flags.discard)(entry[1:])
     return frozenset(flags)
 
@@ -85,7 +84,7 @@ def choose(stored: torch.dtype, device: torch.device, flags: frozenset[str]) -> 
     if fast:
         return stored, f"the checkpoint's dtype, {name}: this CPU has {fast[0]}"
     return torch.float32, (f"the checkpoint is {name}, but this CPU lists none of {', '.join(FAST_CPU_FLAGS[stored])} "
-                           f"(/proc/cpuinfo, {FLAGS_ENV}), so its {name} products are slow: {name} weights, "
+                           f"(/proc/cpuinfo, {CPU_FLAGS.name}), so its {name} products are slow: {name} weights, "
                            f"float32 math (weights stay {name} in memory, multiplied in float32); "
                            f"compute_dtype (--compute-dtype) {name} keeps {name} math")
 

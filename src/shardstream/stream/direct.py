@@ -35,11 +35,11 @@ import xxhash
 from ..errors import InvalidOption
 from ..store import Store, problems
 from ..store.checksum import checksum_bytes
+from ..switches import DIRECT_IO
 from ..store.direct_io import aligned, open_file, read_at
 from ..memory import available_memory
 
 MODES = ("auto", "on", "off", "dropped")
-ENV = "SHARDSTREAM_DIRECT_IO"
 READINGS = ("mapped", "dropped", "direct")
 
 
@@ -52,9 +52,9 @@ def block_reading(store: Store, mode: str | None = None, memory: int | None = No
     the read buffers get huge pages or a copy on the CPU costs more than it gains (`copy_free`: a GPU's
     page-locked buffers, a compute-bound batch), else dropped reads (see the module docstring).
     """
-    mode = (mode or os.environ.get(ENV) or "auto").lower()
+    mode = (mode or DIRECT_IO.get()).lower()
     if mode not in MODES:
-        raise InvalidOption(f"{ENV} must be one of {', '.join(MODES)}, not {mode!r}; unset it to let shardstream choose.")
+        raise InvalidOption(f"{DIRECT_IO.name} must be one of {', '.join(MODES)}, not {mode!r}; unset it to let shardstream choose.")
     if mode == "off" or getattr(store, "remote", False):
         return "mapped"
     if mode == "dropped":

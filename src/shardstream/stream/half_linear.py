@@ -25,11 +25,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..switches import HALF_KERNEL
 from . import quant_linear
 
 log = logging.getLogger("shardstream.stream")
 
-SWITCH = "SHARDSTREAM_HALF_KERNEL"
 FORMATS = {torch.bfloat16: 1, torch.float16: 2}   # the weight dtypes the kernel reads, by its code for them
 # The fallback's float32 buffer: a few cache-sized megabytes of weight rows at a time.
 TILE_BYTES = 4 << 20
@@ -88,7 +88,7 @@ def _tiled(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _library() -> ctypes.CDLL | None:
     without = ("bfloat16/float16 weights are converted to float32 a few MB at a time for each product "
                "(slower than the kernel, no bigger in memory)")
-    library = quant_linear.load_library("half-precision weight kernel", SWITCH, without)
+    library = quant_linear.load_library("half-precision weight kernel", HALF_KERNEL, without)
     if library is not None:
         log.info("half-precision weight kernel: on (%s build): bfloat16/float16 weights are multiplied as stored",
                  torch.backends.cpu.get_cpu_capability())

@@ -22,18 +22,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .. import native, quant
+from ..switches import INT4_KERNEL
 
 log = logging.getLogger("shardstream.stream")
 
 SOURCE = Path(__file__).with_name("int4_linear.cpp")
-SWITCH = "SHARDSTREAM_INT4_KERNEL"
 # Compiler flags of each build: AVX-512 with VNNI (16 columns a vector), AVX2 with AVX-VNNI, AVX2 alone (8).
 BUILD_FLAGS = {
     "AVX512-VNNI": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
@@ -85,8 +84,8 @@ def available() -> bool:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     without = "int4 weights are dequantized on every pass and multiplied as plain Linears"
-    if os.environ.get(SWITCH, "1") == "0":
-        log.info("int4 kernel: off (%s=0): %s", SWITCH, without)
+    if INT4_KERNEL.off():
+        log.info("int4 kernel: off (%s=0): %s", INT4_KERNEL.name, without)
         return None
     chosen = build()
     if chosen is None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import torch
 
 from .. import quant
 from ..store import Store
+from ..switches import COPY_AHEAD
 from ..store.direct_io import ALIGN, DirectUnsupported, aligned
 from ..store.dtypes import TORCH_DTYPES
 from ..store.manifest import TensorRecord
@@ -29,7 +29,6 @@ from .weights import WeightMapper
 
 log = logging.getLogger("shardstream.stream")
 
-COPY_AHEAD_ENV = "SHARDSTREAM_COPY_AHEAD"
 Layout = list[tuple[str, list[tuple[int, int]]]]  # per file: the aligned (begin, end) ranges a piece reads
 
 
@@ -191,7 +190,7 @@ class BlockLoader:
     def copies_only(self, keys: list[tuple[int, int]]) -> bool:
         """Whether loading any of these pieces now only queues its copy to the GPU: each is kept page-locked
         in host RAM (see blocks.StreamedBlocks; $SHARDSTREAM_COPY_AHEAD=0 keeps them on the reader threads)."""
-        if self._copy_stream is None or os.environ.get(COPY_AHEAD_ENV, "1") == "0":
+        if self._copy_stream is None or COPY_AHEAD.off():
             return False
         with self._keeping:
             return all(key in self._kept for key in keys)

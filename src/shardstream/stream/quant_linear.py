@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -45,12 +44,12 @@ import torch.nn.functional as F
 
 from .. import quant
 from .. import native
+from ..switches import QUANT_KERNEL, Switch
 from . import int4_linear
 
 log = logging.getLogger("shardstream.stream")
 
 SOURCE = Path(__file__).with_name("quant_linear.cpp")
-SWITCH = "SHARDSTREAM_QUANT_KERNEL"
 # From this many rows on, a column group decodes its weights once into a buffer instead of once per tile
 # of rows: decoding a 4-bit code is a register lookup, an 8-bit one a gather (2 cores, a 2816 x 1024
 # weight: 8-bit, 8 rows 0.97 ms against 1.45; 4-bit, 16 rows 0.64 against 0.67, 64 rows 2.2 against 2.3).
@@ -136,17 +135,17 @@ def available() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load_library("quantized-weight kernel", SWITCH,
+    return load_library("quantized-weight kernel", QUANT_KERNEL,
                         "quantized weights are dequantized on every pass "
                         "(one stream of a 4-bit store runs about 2x slower, of an 8-bit one 1.5x)")
 
 
-def load_library(what: str, switch: str, without: str) -> ctypes.CDLL | None:
+def load_library(what: str, switch: Switch, without: str) -> ctypes.CDLL | None:
     """quant_linear.cpp built for the widest vectors torch's CPU capability reports, and loaded; None where
     `switch` is "0" in the environment or it cannot be built, after an INFO line "`what`: off (why): `without`".
     It serves this module's products and half_linear.py's, each with its own switch and log line."""
-    if os.environ.get(switch, "1") == "0":
-        log.info("%s: off (%s=0): %s", what, switch, without)
+    if switch.off():
+        log.info("%s: off (%s=0): %s", what, switch.name, without)
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ISA_FLAGS:

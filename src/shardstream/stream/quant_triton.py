@@ -30,12 +30,12 @@ log says why, once.
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 from .. import quant
+from ..switches import TRITON
 from ..quant import CODE_BITS as BITS, KERNEL_ROUNDING as ROUND
 
 try:
@@ -47,7 +47,6 @@ except ImportError as error:   # an optional dependency (pyproject's `gpu` extra
 
 log = logging.getLogger("shardstream.stream")
 
-SWITCH = "SHARDSTREAM_TRITON"
 METHODS = quant.BLOCKWISE   # the codes it reads: NF4's and 8-bit's flat blocks (int4 is dequantized on a GPU)
 OUTPUT = {quant.DTYPES[name]: code for name, code in ROUND.items()}   # x's dtype (the output's), coded as ROUND
 # 16 columns a program: a 2048-wide output is 128 programs a row, about one per SM of an H100; 256 weights of
@@ -137,8 +136,8 @@ def available(device: torch.device) -> bool:
     kernel gave the dequantized product there at its first use. The INFO log says once why not."""
     if device.type != "cuda":
         return False
-    if os.environ.get(SWITCH, "1") == "0":
-        _off(f"{SWITCH}=0")
+    if TRITON.off():
+        _off(f"{TRITON.name}=0")
         return False
     return ready(device)
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from ..convert import check_same_source, convert
 from ..interrupted import rerun_continues
 from ..errors import InvalidOption, StoreIncomplete
+from ..switches import CACHE
 from ..sources import HUB_ID, LocalSource
 from ..store import MANIFEST_NAME, Manifest, Store, load_manifest, open_store
 from ..tp.rankstore import rank_share
 
-CACHE_ENV = "SHARDSTREAM_CACHE"
 log = logging.getLogger("shardstream.resolve")
 
 
@@ -41,7 +41,7 @@ def source_key(source: str, revision: str | None = None) -> str:
 def default_store_path(source: str, revision: str | None = None, compression: str | None = None) -> Path:
     """~/.cache/shardstream/<name>[-<compression>]-<hash of the source key and compression> (or under
     $SHARDSTREAM_CACHE); an uncompressed store keeps the path it had before compression was in the key."""
-    base = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "shardstream")
+    base = Path(CACHE.get() or Path.home() / ".cache" / "shardstream")
     key = source_key(str(source), revision)
     name = re.sub(r"[^A-Za-z0-9._-]+", "--", key.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
     if compression:

@@ -19,6 +19,7 @@ from ..options import (Compression, HfToken, Revision, Sequential, StorePath, Tp
                        refuse_tp_cache, size, whole_number)
 from ..sizes import parse_size
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class, stop_on_signals
+from ..switches import API_KEY
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
@@ -39,7 +40,7 @@ def serve_command(
                                                      "their KV caches: the others wait, and stderr says which "
                                                      "bound applied.", callback=whole_number(1))] = 32,
     api_key: Annotated[Optional[str], typer.Option(
-        envvar="SHARDSTREAM_API_KEY", help="Require 'Authorization: Bearer KEY' on every path but /health.")] = None,
+        envvar=API_KEY.name, help="Require 'Authorization: Bearer KEY' on every path but /health.")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(
         help="A Jinja chat template file, for a model whose tokenizer has none (else chat is refused).")] = None,
     max_request_size: Annotated[str, typer.Option(
