@@ -22,6 +22,7 @@ from tiny_models import save_checkpoint
 from shardstream.convert import ConvertReport, convert
 from shardstream.errors import CorruptShard, InvalidOption, SourceNotFound, SourceUnreachable
 from shardstream.stream.resolve import default_store_path, ensure_store
+from shardstream.switches import CACHE
 
 CLI = [sys.executable, "-m", "shardstream.cli"]
 
@@ -217,7 +218,6 @@ HUB_CONVERT = """
 import sys
 from shardstream.convert import convert
 from shardstream.errors import CorruptShard
-from shardstream.switches import CACHE
 try:
     convert("tiny-org/tiny", sys.argv[1], progress=False)
 except CorruptShard as exc:

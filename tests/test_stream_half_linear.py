@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardstream.stream import half_linear
+from shardstream.switches import HALF_KERNEL
 from avx2_build import needs_avx2, run_as_avx2
 
 needs_kernel = pytest.mark.skipif(not half_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
@@ -169,7 +170,6 @@ WITHOUT_COMPILER = """
 import logging, torch
 logging.basicConfig(level=logging.INFO, format='%(message)s')
 from shardstream.stream import half_linear
-from shardstream.switches import HALF_KERNEL
 weight, x = torch.randn(5, 40).to(torch.bfloat16), torch.randn(3, 40)
 torch.testing.assert_close(half_linear.linear(x, weight, None), x @ weight.float().t(), rtol=1e-5, atol=1e-5)
 print(half_linear.available())

@@ -20,6 +20,7 @@ from shardstream.store import open_store
 from shardstream.stream import AutoModel, StreamingModel, int4_linear, quant_linear, quant_triton
 from shardstream.tp.layout import Take
 from shardstream.tp.reading import ShareReader
+from shardstream.switches import INT4_KERNEL
 from counting import linear_dequantizations
 from test_stream import _dequantized_reference
 from tiny_models import save_checkpoint
@@ -156,7 +157,6 @@ BUILD_CHECK = """
 import sys, torch
 from shardstream import quant
 from shardstream.stream import int4_linear
-from shardstream.switches import INT4_KERNEL
 print(int4_linear.build(), int4_linear.available())
 torch.manual_seed(0)
 got = []

@@ -19,6 +19,7 @@ from shardstream.convert import convert
 from shardstream.stream import AutoModel, quant_linear
 from shardstream.store import open_store
 from shardstream.native import find_compiler
+from shardstream.switches import QUANT_KERNEL
 from counting import linear_dequantizations
 from tiny_models import save_checkpoint
 from avx2_build import needs_avx2, run_as_avx2
@@ -87,7 +88,6 @@ AVX2_CHECK = """
 import torch, torch.nn.functional as F
 from shardstream import quant
 from shardstream.stream import quant_linear
-from shardstream.switches import QUANT_KERNEL
 assert torch.backends.cpu.get_cpu_capability() == "AVX2" and quant_linear.available()
 torch.manual_seed(0)
 for out_features, in_features, blocksize, method, dtype in [(40, 96, 64, "4bit", torch.float32), (67, 32, 16, "4bit", torch.float32),
