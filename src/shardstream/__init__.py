@@ -14,7 +14,7 @@ import types
 # OpenMP threads (torch's and the quantized kernel's, one libgomp) sleep at a barrier instead of spinning
 # for it. Spinning wins only on cores nothing else wants; beside other work (another rank or agent on the
 # same machine, a server's threads, any other process) a spinning thread burns the time slice its peer
-# needs: measured on 2 busy cores, a Llama-3.2-1B-shaped decode step 2-3x slower, a 4-bit prefill 5x.
+# needs (docs/BENCHMARKS.md, "Real shapes").
 # It takes effect only if torch is first imported after this (libgomp reads it once, when loaded);
 # set OMP_WAIT_POLICY yourself to choose otherwise.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

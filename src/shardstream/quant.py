@@ -434,9 +434,8 @@ def _chunk_elements(blocksize: int) -> int:
     return max(2, _CHUNK_ELEMENTS // blocksize // 2 * 2) * blocksize
 
 
-# Off: measured on one core (2048x5632 bf16), bitsandbytes' CPU quantize runs ~22 MB/s (NF4) and
-# ~127 MB/s (8-bit) against ~330-440 and ~380-540 MB/s for `_torch_quantize`, and its 8-bit codes
-# can exceed `relative_error_bound` (seen: 0.007046 of absmax, bound 0.0070315).
+# Off: bitsandbytes' CPU quantize is slower than `_torch_quantize`, and its 8-bit codes can exceed
+# `relative_error_bound` (docs/BENCHMARKS.md, "Quantized stores").
 _QUANTIZE_WITH_BNB = False
 
 # bitsandbytes' CPU 4-bit kernel is inaccurate from blocksize 2048 (it falls back itself there).

@@ -44,12 +44,8 @@ from .weights import Slots, WeightMapper
 
 # A pass of this many token rows or more is bound by its matrix products, not by the disk: its quantized
 # pieces are dequantized by the computing thread, between its products, instead of by the readers beside
-# them (where OpenMP teams fight for the cores). Measured on 2 cores, a 4-bit model: under `serve`, a
-# decode step of 32 rows 0.30 -> 0.27 s; from 16 down to 4 (alternating, paired runs) 4
-# requests 2-7% more tok/s and 8 requests 2-5% more, and in one process with no disk wait a step of 8
-# rows 0.239 -> 0.205-0.210 s, of 4 rows 0.193 -> 0.167; 2 rows about even; one row keeps the readers,
-# whose dequantization is most of its step once the blocks are in the page cache (0.16 s
-# there, 0.17 s on the computing thread).
+# them (where OpenMP teams fight for the cores); one row keeps the readers. docs/BENCHMARKS.md ("Quantized
+# stores") has the measurements.
 COMPUTE_BOUND_ROWS = 4
 
 

@@ -316,7 +316,7 @@ template <class W>
 void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_t N, float* y, int64_t ys,
             int64_t buffer_rows) {
   // 7 or 8 rows decoding in registers (a batch of 8's decode step): one tile of 8 x 3 rather than two of
-  // 6 x 4, which decode every weight twice (AVX-512, 4-bit, 8 rows: 0.30 against 0.39 ms per 2816 x 1024).
+  // 6 x 4, which decode every weight twice (docs/BENCHMARKS.md, "Quantized stores").
   if constexpr (kLanes == 16) {
     if ((M == 7 || M == 8) && M < buffer_rows) return by_groups<3, 8>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }

@@ -51,8 +51,8 @@ log = logging.getLogger("shardstream.stream")
 
 SOURCE = Path(__file__).with_name("quant_linear.cpp")
 # From this many rows on, a column group decodes its weights once into a buffer instead of once per tile
-# of rows: decoding a 4-bit code is a register lookup, an 8-bit one a gather (2 cores, a 2816 x 1024
-# weight: 8-bit, 8 rows 0.97 ms against 1.45; 4-bit, 16 rows 0.64 against 0.67, 64 rows 2.2 against 2.3).
+# of rows: decoding a 4-bit code is a register lookup, an 8-bit one a gather, so 8-bit buffers sooner
+# (docs/BENCHMARKS.md, "Quantized stores").
 BUFFER_ROWS = {"4bit": 32, "8bit": 7}
 BITS = quant.CODE_BITS
 ROUND = quant.KERNEL_ROUNDING
