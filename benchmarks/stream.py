@@ -184,7 +184,7 @@ def run_one(mode: str, args) -> dict:
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - started
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        loads_after_prefill = model.experts.loads if streaming and model.experts else 0
+        bytes_after_prefill = model.experts.bytes_read if streaming and model.experts else 0
         started = time.perf_counter()
         for _ in range(args.new_tokens):
             out = model(token, past_key_values=cache, use_cache=True)
@@ -201,11 +201,15 @@ def run_one(mode: str, args) -> dict:
     status = Path("/proc/self/status").read_text()
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
     if streaming and model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
-        experts = model.experts.count * model.experts.expert_bytes // args.layers
+        fused = sum(p.nbytes for name, p in model.model.named_parameters()   # the experts' stacks, on meta
+                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         result["expert_loads"] = model.experts.loads
-        result["per_token_bytes"] = (sum(model._loader.held_bytes(s.names) - experts for i, s in enumerate(model._slots)
-                                         if i not in model.resident_blocks)
-                                     + (model.experts.loads - loads_after_prefill) * model.experts.expert_bytes // args.new_tokens)
+        stats = model.experts.cache.stats
+        result["expert_hit_rate"] = round(stats.hit_rate, 3)
+        result["expert_mb_per_token"] = round((model.experts.bytes_read - bytes_after_prefill) / args.new_tokens / 1e6)
+        result["per_token_bytes"] = (sum(model._loader.held_bytes(s.names) for i, s in enumerate(model._slots)
+                                         if i not in model.resident_blocks) - fused
+                                     + (model.experts.bytes_read - bytes_after_prefill) // args.new_tokens)
     if streaming:
         result["resident"] = len(model.resident_blocks)
         result["reading"] = model._loader.reading

@@ -115,9 +115,8 @@ class StageModel:
             return block
 
         slots = [Slots(block, prefix) for block, prefix in zip(self._blocks, prefixes)]
-        released = (lambda index: self.experts.release(self.first + index)) if self.experts else (lambda index: None)
         return stream_blocks(self._blocks, slots, lambda index: renamed(index, loader.load(self.first + index)),
-                             lambda index: renamed(index, loader.load_piece((self.first + index, 0))), budget, released)
+                             lambda index: renamed(index, loader.load_piece((self.first + index, 0))), budget)
 
     @property
     def streamed_blocks(self) -> list[int]:

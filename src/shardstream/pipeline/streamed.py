@@ -22,8 +22,7 @@ from .planner import STREAM_DEPTH
 
 
 def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[int], LoadedBlock],
-                  stream: Callable[[int], LoadedBlock], budget: int,
-                  released: Callable[[int], None] = lambda k: None) -> StreamedBlocks:
+                  stream: Callable[[int], LoadedBlock], budget: int) -> StreamedBlocks:
     """Blocks 0..n-1 of a stage, kept within `budget` bytes: `load(k)` reads block k under the stage's
     names to keep it resident, `stream(k)` to run it once (into buffers given back when it is emptied)."""
     sizes = [s.nbytes for s in slots]
@@ -35,4 +34,4 @@ def stream_blocks(blocks: list[nn.Module], slots: list[Slots], load: Callable[[i
     def whole(key: tuple[int, int]) -> LoadedBlock:
         return stream(key[0])   # a stage reads its blocks whole: one piece each
 
-    return StreamedBlocks(blocks, slots, streamed, whole, STREAM_DEPTH, lambda k, *_: released(k))
+    return StreamedBlocks(blocks, slots, streamed, whole, STREAM_DEPTH, lambda *_: None)

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
+from ..quant import QuantizedTensor
 from .checksum import checksum_bytes
 from .direct_io import DirectUnsupported, aligned, open_file, read_at
 from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
@@ -227,13 +228,15 @@ class Expert:
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.read(verify=True)
 
-    def read(self, verify: bool) -> dict[str, torch.Tensor]:
-        """The expert's tensors (dequantized) from a fresh read; checked against the index when `verify`."""
-        return self._decode(self.contents(verify))
+    def read(self, verify: bool, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """The expert's tensors from a fresh read (quantized ones dequantized, or as codes and scales when not
+        `dequantize`); checked against the index when `verify`."""
+        return self._decode(self.contents(verify), dequantize)
 
-    def _decode(self, data) -> dict[str, torch.Tensor]:
-        """The expert's tensors from its file's bytes: views of them where stored plainly, else dequantized."""
-        return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r))
+    def _decode(self, data, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """The expert's tensors from its file's bytes: views of them where stored plainly, else dequantized
+        (or, not `dequantize`, their codes and scales viewing the bytes)."""
+        return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r), dequantize)
                 for n, r in self.record.tensors.items()}
 
     def where(self) -> str:
@@ -255,7 +258,7 @@ class Expert:
         """The file on this machine (its tier's root may be outside the store); None in a remote store."""
         return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
-    def read_into(self, buffer, drop: bool = False) -> dict[str, torch.Tensor]:
+    def read_into(self, buffer, drop: bool = False, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
         """The expert's tensors, viewing `buffer` (a writable buffer of at least the file's size: reused, it
         costs no page faults) where they are stored plainly, checksum-verified.
 
@@ -272,7 +275,7 @@ class Expert:
             raise _missing(self.path) from None
         view = memoryview(buffer)[:expected.size]
         checked(view[:done], expected, self.where())
-        return self._decode(view)
+        return self._decode(view, dequantize)
 
     def raw(self) -> bytearray:
         """The file's bytes, unchecked."""

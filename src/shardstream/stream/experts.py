@@ -1,37 +1,51 @@
-"""MoE experts loaded on demand: only the experts the router picks are read, from their tiers.
+"""MoE experts read on demand and multiplied from the bytes they were read into.
 
-A Mixtral-style block is mostly experts, and a token uses `top_k` of them. With
-`experts="on_demand"` the block's part is read without its experts (stored apart by
-`shardstream shard --experts`). The fused experts module's forward is wrapped: it sees the router's
-`top_k_index`, reads each picked expert with `load_expert` (from whatever tier
-`place_experts`/`relocate` put it on, checksum-verified) into a stack of the picked experts only,
-and runs transformers' own forward over that stack, the picks renumbered. The memory an expert
-takes is spent only for the experts picked, and at most `budget` bytes of them at once: a pass that
-picks more (a long prompt picks them all) runs them in groups, each group read and dropped in turn,
-so a Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one of its experts
-(0.35 GB). Experts held after a pass serve the next one while their block stays in memory.
+A Mixtral-style block is mostly experts, and a token uses `top_k` of them. With `experts="on_demand"`
+the block's part is read without its experts (stored apart by `shardstream shard --experts`), and the
+fused experts module's forward is replaced: each expert the router picked is read from its tier
+(checksum-verified) into a reused buffer, and the tokens routed to it go through its gate, up and down
+products straight from those bytes (bf16/fp16 as stored, 4-bit/8-bit from their codes: the products of
+linear.py), weighted and added in expert order as transformers' own forward adds them. No module and no
+stacked copy is made of an expert, so a pass costs its experts' reads and their products.
+
+Experts stay in memory between passes, within `budget` bytes, by how often and how lately they were
+routed to (expert_cache.py); a pass reads only the routed experts not held, the next one read on a thread
+while one multiplies. A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one expert
+read and, with `read_ahead`, the next.
 """
 
 from __future__ import annotations
 
 import functools
 import mmap
-import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .. import quant
 from ..errors import InvalidOption, UnsupportedModel
 from ..naming import Part
+from ..quant import QuantizedTensor
 from ..store import Store
+from ..store.direct_io import aligned
+from ..store.dtypes import TORCH_DTYPES
 from ..store.sharding import load_expert, load_index
+from . import half_linear, quant_linear
 from .direct import BufferPool
+from .expert_cache import ExpertCache
+from .linear import weight_linear
 from .loader import BlockLoader
-from .weights import Slots, WeightMapper
+from .weights import WeightMapper
 
 EXPERT_MODES = ("with_block", "on_demand")
+GATE, UP, DOWN = "gate", "up", "down"
+# An expert's weight keeps half its score after this many passes of its block without a routing to it
+# (expert_cache.py; docs/BENCHMARKS.md, "Stream: MoE under a cap", compares it with LRU).
+HALF_LIFE = 16
 
 
 class ExpertlessLoader(BlockLoader):
@@ -52,44 +66,62 @@ class ExpertlessLoader(BlockLoader):
         return [n for n in super().checkpoint_keys(index) if n not in self._skip]
 
 
-class _Layer:
-    """One block's fused experts module, and the experts of it in memory now: `stack` holds the module's
-    parameters stacked over the experts `held` lists, in that order, and nothing else."""
+@dataclass
+class _Loaded:
+    """One expert ready to multiply: its gate, up and down weights (viewing `buffer` where the products read
+    the stored bytes), and the bytes it holds."""
+    weights: dict[str, torch.Tensor | QuantizedTensor]
+    buffer: mmap.mmap | bytearray | None
+    nbytes: int
 
-    def __init__(self, module: nn.Module, prefix: str):
-        self.module = module
-        self.meta = dict(module.named_parameters(recurse=False))
-        self.names = {f"{prefix}.{name}": name for name in self.meta}
-        self.count = next(iter(self.meta.values())).shape[0]
-        self.expert_bytes = sum(p.nbytes for p in self.meta.values()) // self.count
-        self.held: list[int] = []
-        self.stack: dict[str, torch.Tensor] = {}
 
-    def drop(self) -> None:
-        """Forget the experts held: the module's slots go back to meta, so nothing keeps their memory."""
-        self.module._parameters.update(self.meta)
-        self.held, self.stack = [], {}
+class _Block:
+    """One block's fused experts module (gate_up_proj and down_proj stacked over its experts, as transformers
+    builds Mixtral, Qwen2-MoE, Qwen3-MoE ...), and which of its checkpoint tensors is an expert's gate, up
+    or down weight."""
+
+    def __init__(self, module: nn.Module, prefix: str, keys: set[str], mapper: WeightMapper, root: str):
+        params = dict(module.named_parameters(recurse=False))
+        if set(params) != {"gate_up_proj", "down_proj"} or getattr(module, "is_transposed", False) \
+                or getattr(module, "has_bias", False) or not hasattr(module, "act_fn"):
+            raise UnsupportedModel(
+                f"the experts module {prefix} ({type(module).__name__}) is not the gate/up/down form that "
+                f"experts='on_demand' multiplies from stored bytes; use experts='with_block' for {root}.")
+        self.module, self.act = module, module.act_fn
+        self.count = params["gate_up_proj"].shape[0]
+        self.dtype = params["gate_up_proj"].dtype
+        self.roles: dict[str, str] = {}
+        for key in keys:
+            fused = mapper.fused_source(key)
+            name, place = fused if fused else (key, 0)
+            role = {("gate_up_proj", 0): GATE, ("gate_up_proj", 1): UP, ("down_proj", 0): DOWN}.get(
+                (name.rpartition(".")[2], place))
+            if role is None:
+                raise UnsupportedModel(f"{root}: expert tensor {key} is neither the gate, up nor down weight of "
+                                       f"{prefix}; use experts='with_block'.")
+            self.roles[key] = role
 
 
 class OnDemandExperts:
-    """Runs each MoE block's experts module on only the experts routed to in this pass, read on demand.
+    """Serves each MoE block's experts module from the experts routed to in this pass, read on demand and
+    multiplied from their stored bytes; those worth keeping stay in an `ExpertCache` of `budget` bytes.
 
-    `budget` bounds the bytes of experts in memory at once (all blocks together): when a pass routes to
-    more than fit, they run in groups that do, one group read and dropped after another. `loads` counts
-    expert files read, so callers can see how much routing saved.
+    `loads` counts expert files read and `bytes_read` their bytes; `cache.stats` the routings served from
+    memory and those that read.
     """
 
     def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
-                 layers: range | None = None):
-        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all."""
+                 layers: range | None = None, half_life: float = HALF_LIFE):
+        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all. `half_life`: passes
+        of a block after which a routing counts half in the cache (0: least recently used)."""
         self.store = store
-        self._mapper = mapper
         self._device = device
         self.loads = 0
-        self.budget = sys.maxsize   # bytes of experts held at once (fit)
-        self.read_ahead = True   # the next expert's file read while one is converted (fit)
+        self.bytes_read = 0
+        self.read_ahead = True   # the next expert's file read while one multiplies (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
-        self._buffers = BufferPool()   # expert files are read into these: one being converted, one read ahead
+        self._buffers = BufferPool()   # expert files are read into these
+        self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, half_life, self._free)
         index = load_index(store)
         placed = index.experts
         by_layer: dict[int, set[str]] = {}
@@ -109,8 +141,9 @@ class OnDemandExperts:
         if not by_layer:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
-        self._file_bytes = max(index.files[r.file].size for r in placed.values() if r.group in by_layer)
-        self._layers: dict[int, _Layer] = {}
+        mine = [r for r in placed.values() if r.group in by_layer]
+        self._file_bytes = max(index.files[r.file].size for r in mine)
+        self._blocks: dict[int, _Block] = {}
         for layer, names in by_layer.items():
             modules = {target.rpartition(".")[0] for target in mapper.target_names(sorted(names))}
             if len(modules) != 1:
@@ -120,151 +153,165 @@ class OnDemandExperts:
                 )
             prefix = modules.pop()
             module = model.get_submodule(prefix)
-            self._layers[layer] = _Layer(module, prefix)
-            module.forward = functools.partial(self._forward, layer, module.forward)
+            self._blocks[layer] = _Block(module, prefix, names, mapper, str(store.root))
+            module.forward = functools.partial(self._forward, layer)
+        self.expert_bytes = max(self._held_bytes(r.tensors, self._blocks[r.group].dtype) for r in mine)
 
     @property
     def count(self) -> int:
         """Experts served, over all blocks."""
-        return sum(state.count for state in self._layers.values())
+        return sum(block.count for block in self._blocks.values())
 
     def reading_bytes(self, ahead: bool) -> int:
-        """Memory the reading takes beside the experts held: the file being converted (and the next one, read
-        `ahead`), and what transformers' conversion allocates (a Mixtral expert's w1 and w3 stacked, then
-        joined: up to twice the expert)."""
-        return (2 if ahead else 1) * self._file_bytes + 2 * self.expert_bytes
+        """Memory the reading takes beside the experts held: the buffer of the expert being multiplied (and of
+        the next one, read `ahead`), and what its weights take converted where the products cannot read them
+        as stored."""
+        return (2 if ahead else 1) * self.expert_bytes
 
     def fit(self, memory: int, auto: bool) -> None:
         """Size the budget of experts held: `memory` bytes of them (not `auto`), reading ahead; or, `auto`,
         out of `memory` left for the experts and their reading, reading ahead only where that leaves room
         for one expert."""
         if not auto:
-            self.budget, self.read_ahead = memory, True
+            self.read_ahead = True
+            self.cache.shrink(memory)
             return
         self.read_ahead = memory >= self.reading_bytes(ahead=True) + self.expert_bytes
-        self.budget = max(0, memory - self.reading_bytes(self.read_ahead))
+        self.cache.shrink(max(0, memory - self.reading_bytes(self.read_ahead)))
 
     @property
-    def expert_bytes(self) -> int:
-        """Bytes of the largest single expert: the least a pass needs at once."""
-        return max(state.expert_bytes for state in self._layers.values())
+    def budget(self) -> int:
+        """Bytes of experts held between passes, at most."""
+        return self.cache.budget
 
-    def _forward(self, layer: int, forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    def _held_bytes(self, records: dict[str, dict], dtype: torch.dtype) -> int:
+        """Bytes one expert takes held: its file's (page-rounded), and its weights converted where the
+        products cannot read them as stored."""
+        converted = 0
+        for record in records.values():
+            meta = record.get("quant")
+            numel = torch.Size(record["shape"]).numel()
+            if meta:
+                stays = quant_linear.packable(meta, self._device)
+            else:
+                stored = TORCH_DTYPES[record["dtype"]]
+                stays = self._device.type == "cpu" and (stored == dtype or half_linear.supports(
+                    torch.empty(record["shape"], dtype=stored, device="meta"), dtype))
+            converted += 0 if stays else numel * dtype.itemsize
+        return (aligned(self._file_bytes) if self._device.type == "cpu" else 0) + converted
+
+    def _forward(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The module's own forward over the experts held: once when the picked experts fit the budget
-        (beside those held from earlier passes, when they fit too), else in as many groups as it needs."""
-        state = self._layers[layer]
-        routed = sorted(e for e in top_k_index.unique().tolist() if e < state.count)   # count: "no expert"
-        if not routed:
-            return torch.zeros_like(hidden_states)
-        if not set(routed) <= set(state.held):
-            union = sorted(set(routed) | set(state.held))
-            if (len(state.held) + len(union)) * state.expert_bytes <= self.budget:   # the old stack is copied
-                self._hold(layer, union)
-        if set(routed) <= set(state.held):
-            return self._run(state, forward, hidden_states, top_k_index, top_k_weights)
-        size = max(1, min(len(routed), self.budget // state.expert_bytes))
-        state.drop()
-        reads = self._read(layer, routed)   # one reader over the groups: the next group's first file is read
-        out = None                          # while this group computes
-        for start in range(0, len(routed), size):
-            self._hold(layer, routed[start:start + size], reads)
-            part = self._run(state, forward, hidden_states, top_k_index, top_k_weights)
-            # a token's two experts in two groups come as x + 0 and 0 + y, added here instead of in one call
-            out = part if out is None else out + part
+        """transformers' experts forward over the experts routed to, in expert order, each from the cache or
+        read (the next missing one read while one multiplies)."""
+        block = self._blocks[layer]
+        self.cache.tick(layer)
+        out = torch.zeros_like(hidden_states)
+        routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
+        held = {expert: self.cache.get(layer, expert) for expert in routed}
+        reads = _Reads(functools.partial(self._load, layer), [e for e in routed if held[e] is None],
+                       self.read_ahead, self._free)
+        try:
+            for expert in routed:
+                loaded = held[expert] or reads.take()
+                _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
+                if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes):
+                    self._free(loaded)
+        finally:
+            reads.close()
         return out
 
-    def _hold(self, layer: int, experts: list[int], reads: Iterator[dict[str, torch.Tensor]] | None = None) -> None:
-        """Put `experts` of `layer` in a stack of their own: those held already are copied over, the others
-        read (or taken from `reads`, which yields them in order); other blocks' experts are dropped as far
-        as the budget needs."""
-        state = self._layers[layer]
-        old, rows = state.stack, {expert: row for row, expert in enumerate(state.held)}
-        if not rows.keys() & set(experts):
-            state.drop()
-            old = {}
-        need = len(experts) * state.expert_bytes
-        for other in self._layers.values():
-            if sum(len(s.held) * s.expert_bytes for s in self._layers.values()) + need <= self.budget:
-                break
-            if other is not state:
-                other.drop()
-        missing = [e for e in experts if e not in rows or not old]
-        converted = reads if reads is not None else self._read(layer, missing) if missing else iter(())
-        if len(experts) == 1 and missing:   # transformers' conversion already made it a stack of one
-            stack = {state.names[name]: tensor.to(self._device) for name, tensor in next(converted).items()}
-        else:
-            stack = {name: torch.empty((len(experts), *meta.shape[1:]), dtype=meta.dtype, device=self._device)
-                     for name, meta in state.meta.items()}
-            for row, expert in enumerate(experts):
-                if expert in rows and old:
-                    for name, tensor in old.items():
-                        stack[name][row].copy_(tensor[rows[expert]])
-                    continue
-                for name, tensor in next(converted).items():
-                    stack[state.names[name]][row].copy_(tensor[0])
-        state.drop()
-        state.held, state.stack = experts, stack
-        for name, tensor in stack.items():
-            state.module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
-
-    def _read(self, layer: int, experts: list[int]) -> Iterator[dict[str, torch.Tensor]]:
-        """Each expert's tensors in transformers' layout, in turn; with `read_ahead` the next expert's file is
-        read and checked on a thread while this one is converted, copied and (the last of a group) run."""
-        with ThreadPoolExecutor(1, thread_name_prefix="experts") as reader:
-            ahead = reader.submit(self._load, layer, experts[0])
-            for i in range(len(experts)):
-                tensors, buffer = ahead.result()
-                if self.read_ahead and i + 1 < len(experts):
-                    ahead = reader.submit(self._load, layer, experts[i + 1])
-                self.loads += 1
-                try:
-                    converted = self._mapper.convert(tensors)
-                    if buffer is not None:   # the buffer is read into again: nothing may still view it
-                        start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
-                        converted = {name: t.clone() if start <= t.data_ptr() < start + len(buffer) else t
-                                     for name, t in converted.items()}
-                finally:
-                    del tensors
-                    if buffer is not None:
-                        self._buffers.give([buffer])
-                yield converted
-                if not self.read_ahead and i + 1 < len(experts):
-                    ahead = reader.submit(self._load, layer, experts[i + 1])
-
-    def _load(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], mmap.mmap | None]:
-        """One expert's checkpoint tensors, read and checked: into a reused buffer (then given back by the
-        caller) from a local file, past the page cache when `drop_pages` (Expert.read_into)."""
+    def _load(self, layer: int, expert: int) -> _Loaded:
+        """One expert's weights, read and checked: into a reused buffer from a local file (past the page cache
+        when `drop_pages`: Expert.read_into), then placed for the products (`_placed`)."""
         placed = load_expert(self.store, layer, expert)
-        if placed.path is None:
-            return placed.tensors, None
-        buffer = self._buffers.take(self._file_bytes)
+        buffer = None if placed.path is None else self._buffers.take(self._file_bytes)
         try:
-            return placed.read_into(buffer, drop=self.drop_pages), buffer
+            tensors = (placed.read(verify=True, dequantize=False) if buffer is None
+                       else placed.read_into(buffer, drop=self.drop_pages, dequantize=False))
         except BaseException:
-            self._buffers.give([buffer])
+            self._give(buffer)
             raise
+        self.loads += 1
+        self.bytes_read += placed.index.files[placed.record.file].size
+        block = self._blocks[layer]
+        weights = {block.roles[name]: self._placed(tensor, block.dtype) for name, tensor in tensors.items()}
+        parts = [part for weight in weights.values() for part in quant.held_by(weight)]
+        start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr() if buffer is not None else 0
+        apart = [part for part in parts if not (buffer is not None and start <= part.data_ptr() < start + len(buffer))]
+        if buffer is not None and len(apart) == len(parts):   # nothing views the buffer: it can be read into again
+            self._give(buffer)
+            buffer = None
+        return _Loaded(weights, buffer, (len(buffer) if buffer is not None else 0) + sum(p.nbytes for p in apart))
 
-    def _run(self, state: _Layer, forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-             top_k_weights: torch.Tensor) -> torch.Tensor:
-        """transformers' forward of the experts module with the experts held as the whole set: routes to
-        others become its "no expert" index with a zero weight."""
-        held = len(state.held)
-        rows = torch.full((state.count + 1,), held, dtype=top_k_index.dtype, device=top_k_index.device)
-        rows[torch.tensor(state.held, dtype=torch.long, device=rows.device)] = torch.arange(held, dtype=rows.dtype, device=rows.device)
-        index = rows[top_k_index]
-        outside = index == held
-        others = bool(outside.any())
-        weights = top_k_weights.masked_fill(outside, 0) if others else top_k_weights
-        module = state.module
-        module.num_experts, module._is_expert_parallel = held, others   # the latter masks the "no expert" rows
-        try:
-            return forward(hidden_states, index, weights)
-        finally:
-            module.num_experts, module._is_expert_parallel = state.count, False
+    def _placed(self, tensor: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
+        """A stored weight as the products take it on this device: as stored where they read it so (codes a
+        kernel multiplies, half precision beside float32 activations on the CPU, the model's own dtype),
+        else converted into the model's dtype."""
+        device = self._device
+        if isinstance(tensor, QuantizedTensor):
+            if quant_linear.packable(tensor.meta, device):
+                return tensor if device.type == "cpu" else QuantizedTensor(
+                    tensor.data.to(device), tensor.absmax.to(device), tensor.meta)
+            tensor = quant.dequantize(tensor.data.to(device), tensor.absmax.to(device), tensor.meta)
+        if tensor.dtype != dtype and not (device.type == "cpu" and half_linear.supports(tensor, dtype)):
+            return tensor.to(device=device, dtype=dtype)
+        return tensor.to(device)
 
-    def release(self, layer: int) -> None:
-        """The block was emptied: drop its experts too."""
-        state = self._layers.get(layer)
-        if state is not None:
-            state.drop()
+    def _free(self, loaded: _Loaded) -> None:
+        self._give(loaded.buffer)
+        loaded.weights.clear()
+
+    def _give(self, buffer: mmap.mmap | bytearray | None) -> None:
+        if isinstance(buffer, mmap.mmap):
+            self._buffers.give([buffer])
+
+
+class _Reads:
+    """The experts of a pass that are not held, read in order on a thread: the first at once, each next one
+    while the one before multiplies (`ahead`) or once it is done with."""
+
+    def __init__(self, load: Callable[[int], _Loaded], experts: list[int], ahead: bool,
+                 free: Callable[[_Loaded], None]):
+        self._load, self._todo, self._ahead, self._free = load, deque(experts), ahead, free
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="experts") if experts else None
+        self._next: Future | None = self._submit()
+
+    def _submit(self) -> Future | None:
+        return self._thread.submit(self._load, self._todo.popleft()) if self._todo else None
+
+    def take(self) -> _Loaded:
+        if self._next is None:
+            self._next = self._submit()
+        loaded = self._next.result()
+        self._next = self._submit() if self._ahead else None
+        return loaded
+
+    def close(self) -> None:
+        """Wait for a read still in flight (a pass that failed) and free what it read."""
+        if self._thread is None:
+            return
+        if self._next is not None:
+            try:
+                self._free(self._next.result())
+            except BaseException:
+                pass   # the pass's own error is the one to report
+        self._thread.shutdown()
+
+
+def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
+              hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """transformers' experts forward for one expert, from its weights as held: the tokens routed to it
+    through act(gate) * up and down, weighted, added into `out`."""
+    top_k_pos, token_idx = torch.where(top_k_index.t() == expert)
+    state = hidden_states[token_idx]
+    hidden = block.act(_product(state, weights[GATE])) * _product(state, weights[UP])
+    hidden = _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None]
+    out.index_add_(0, token_idx, hidden.to(out.dtype))
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    if isinstance(weight, QuantizedTensor):
+        return quant_linear.linear(x, weight, None)
+    return weight_linear(x, weight, None)

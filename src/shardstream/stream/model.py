@@ -310,8 +310,6 @@ class StreamingModel(TransformersHabits, WrapsModel):
             torch.cuda.synchronize(self.device)
 
     def _released(self, index: int, read: float, waited: float, seconds: float) -> None:
-        if self.experts:
-            self.experts.release(index)
         self.profile.record(index, read, waited, seconds)
 
     # -- the transformers surface ------------------------------------------------------------

@@ -82,6 +82,14 @@ class WeightMapper:
                 names.update(renamed.replace(first, t) for t in converter.target_patterns)
         return names & self._expected.keys()
 
+    def fused_source(self, key: str) -> tuple[str, int] | None:
+        """Where a converter fuses checkpoint key `key` into a bigger parameter (an expert's w1 into the experts'
+        `gate_up_proj`): that parameter's name and the key's place among the converter's sources; else None."""
+        renamed, pattern = self._rename(key)
+        if pattern is None or renamed not in self._expected:
+            return None
+        return renamed, self._by_pattern[pattern].source_patterns.index(pattern)
+
     def convert(self, tensors: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor | QuantizedTensor]:
         """Checkpoint tensors of one part -> {parameter name: tensor in the parameter's dtype}; packed quantized
         weights and those `held_as_stored` (only ever asked for where `linear_weight` names one) pass as they are."""
