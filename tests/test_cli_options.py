@@ -14,7 +14,7 @@ import pytest
 
 from http_server import serve_hub
 from test_cli_convert import CLI, run_cli
-from test_stream_server import _free_port
+from test_serving_server import _free_port
 from tiny_models import char_tokenizer, llama_store_with_tokenizer, save_checkpoint
 
 SECRET = "hub-secret"

@@ -1,4 +1,4 @@
-"""The `generate` command on a tiny llama with a character tokenizer (the server: test_stream_server.py)."""
+"""The `generate` command on a tiny llama with a character tokenizer (the server: test_serving_server.py)."""
 
 from __future__ import annotations
 

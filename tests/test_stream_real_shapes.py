@@ -37,7 +37,7 @@ from shardstream.switches import CPU_FLAGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from real_shapes import write_checkpoint  # noqa: E402
-from test_stream_serve_memory import MEMCAP, _memcap_missing  # noqa: E402
+from test_serving_serve_memory import MEMCAP, _memcap_missing  # noqa: E402
 
 LAYERS = 2
 IDS = [[128000, 1, 2, 3, 90000, 5, 5, 127999]]

@@ -19,7 +19,7 @@ from shardstream.stream.generate_cli import generate_command
 from shardstream.stream.mapped import release_unviewed
 from tiny_models import char_tokenizer, llama_store_with_tokenizer, save_checkpoint
 
-from test_stream_serve_memory import MEMCAP, _memcap_missing
+from test_serving_serve_memory import MEMCAP, _memcap_missing
 
 PAGE = mmap.PAGESIZE
 SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))

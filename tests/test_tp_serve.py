@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
-from test_stream_server import requests_in_flight_when
+from test_serving_server import requests_in_flight_when
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -11,9 +11,8 @@ def tcp_listener(host: str, port: int) -> socket.socket:
 
     Created with IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
     on connections whose socket says TCP, and with 0 a reply on a kept-alive connection could wait for
-    the client's delayed ACK. Measured on loopback through uvicorn, a small JSON reply (an agent's
-    /v1/health, which its peers time as their round trip): 44 ms per request with 0, 1.3-1.8 ms with
-    IPPROTO_TCP; a pipeline's planner had taken the 44 ms for a hop's latency.
+    the client's delayed ACK, which a pipeline's planner would take for a hop's latency (its peers time
+    an agent's /v1/health as their round trip; docs/BENCHMARKS.md, section "Pipeline").
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -30,7 +30,7 @@ Revision = Annotated[Optional[str], typer.Option(
 HfToken = Annotated[Optional[str], typer.Option(
     "--hf-token", envvar="HF_TOKEN", show_envvar=True,
     help="When converting from the Hub: a token for private or gated repos.")]
-# convert's Hub token was once spelled --token; that spelling still works there, unlisted
+# --token: convert's Hub token under its older name, accepted there unlisted so that existing scripts keep working
 OldHfToken = Annotated[Optional[str], typer.Option("--token", hidden=True)]
 StorePath = Annotated[Optional[str], typer.Option(
     "--store-path", help="When converting: the store folder to convert into (default: a folder in "

@@ -281,7 +281,7 @@ def dequantize(data: torch.Tensor, absmax: torch.Tensor, meta: dict, out: torch.
     the rest; both give identical values. `out` (contiguous, the meta's dtype and size) receives the
     values instead of a new tensor: a streaming reader reuses one buffer per piece in flight, where
     fresh tensors per piece cost page faults and, through malloc's growing mmap threshold, stay
-    allocated (measured: +190 MB after one pass of a 4-bit model).
+    allocated (docs/BENCHMARKS.md, section "Quantized stores").
     """
     method, blocksize, shape, dtype = _parse_meta(meta)
     n = math.prod(shape)
@@ -470,8 +470,8 @@ def _bnb_library() -> ctypes.CDLL | None:
     """bitsandbytes' native CPU library, when installed and dequantizing to our values here, else None.
 
     Loaded straight from the package's folder: importing bitsandbytes itself pulls in torch's
-    compiler stack (2 s and 44 MB of memory per process, measured), where dequantizing needs only
-    the library's CPU kernels, the same ones its CPU backend calls.
+    compiler stack (seconds and memory in every process; docs/BENCHMARKS.md, section "Quantized
+    stores"), where dequantizing needs only the library's CPU kernels, the same ones its CPU backend calls.
     """
     try:
         spec = importlib.util.find_spec("bitsandbytes")

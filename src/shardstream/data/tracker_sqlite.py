@@ -3,8 +3,8 @@
 `BEGIN IMMEDIATE` takes the write lock at the start of a transaction, so a claim's read and update
 cannot interleave with another claim. Writers first queue on an flock of a sidecar `.lock` file:
 the kernel wakes the next one the moment the lock is free, where SQLite's own busy handler sleeps
-and polls (measured: about twice the claims per second with eight competing processes). `synchronous=NORMAL` in WAL mode survives any process crash
-(SIGKILL included); only a power cut can drop the last commits.
+and polls (docs/BENCHMARKS.md, section "Training data"). `synchronous=NORMAL` in WAL mode survives
+any process crash (SIGKILL included); only a power cut can drop the last commits.
 """
 
 from __future__ import annotations

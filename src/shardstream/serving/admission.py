@@ -2,9 +2,9 @@
 
 Checked at every admission against the memory really left (`available_memory`, a cgroup cap
 included), not once when the engine starts: a budget fixed at start counted as free the bytes that
-the streamed blocks take only on the first pass (the reader's O_DIRECT buffers), and under a 600 MiB
-cap 16 concurrent requests were killed (issue 10). The engine therefore makes one pass before it
-admits anything (`BatchEngine._warm_up`). A candidate batch fits when what it still needs (its KV
+the streamed blocks take only on the first pass (the reader's O_DIRECT buffers), enough to get a
+burst of requests killed under a cap (docs/BENCHMARKS.md, section "Many tokens per weight read"). The
+engine therefore makes one pass before it admits anything (`BatchEngine._warm_up`). A candidate batch fits when what it still needs (its KV
 cache reservation and a pass's activations, at the worst of its prefill, its merge and its last
 token) stays within what is available now minus a fixed slack for the server's own objects. The
 engine (`batching.py`) does the bookkeeping; this module the sizes.
@@ -66,11 +66,9 @@ class Shape:
         experts runs each of its top k experts on a gathered copy of the token, with that copy and its
         output besides), the attention scores and their softmax, one layer's keys and values repeated for
         grouped heads (the reserved cache itself is written in place, see kvcache.py), and the logits
-        kept, with their float and log-softmax copies; times SAFETY. tests/test_stream_admission.py
-        measures every family's real peak against it (hidden 256, 1,024 tokens: 10-17 MiB for the dense
-        families against 19-21 counted, GPT-2 21-22 against 29, Mixtral 20-24 against 31); the reference
-        model's 1,024-token prefill took 56 MiB and is counted 90 MiB. Counting 9 hidden-sized states for
-        every family, as before, counted it 105 MiB, and Mixtral's at 0.94-1.15x their real peak."""
+        kept, with their float and log-softmax copies; times SAFETY. Too little lets a batch outgrow its
+        cap, too much holds requests back, so tests/test_serving_admission.py keeps it above every family's
+        measured peak (the figures: docs/BENCHMARKS.md, section "Many tokens per weight read")."""
         tokens = rows * new_columns
         mlp = (self.experts_per_token * (4 * self.intermediate + 2 * self.hidden) if self.experts_per_token
                else 4 * self.intermediate)
@@ -98,9 +96,8 @@ def map_large_allocations() -> None:
     """Have glibc give every allocation of MMAP_THRESHOLD or more its own mapping, returned to the system
     when freed. A KV cache grows by a new, slightly larger tensor per layer per step; from glibc's heap
     (where its adaptive threshold puts tensors of a few MB) the freed smaller ones cannot be reused and
-    the process grew a third beyond its caches, past what admission planned (measured under a 600 MiB
-    cap: 24 sequences took 195 MiB for 144 MiB of cache; mapped, 21 took 164 MiB for 126 MiB, as planned).
-    Process-wide and idempotent; a no-op without glibc."""
+    the process grows beyond what admission planned (docs/BENCHMARKS.md, section "Many tokens per weight
+    read"). Process-wide and idempotent; a no-op without glibc."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
@@ -123,10 +120,8 @@ def prefill_chunk(shape: Shape, rows: int, length: int, new_tokens: int, free: i
     """Tokens per pass of `generate`'s prefill of `rows` prompts `length` tokens long that will grow by
     `new_tokens`: the whole prompt, or halved (down to MIN_PREFILL_CHUNK) until the pass's activations
     (`Shape.pass_bytes`, the last chunk's attention spanning the whole prompt) plus the KV cache at its
-    widest fit `free` bytes. Every chunk is one more read of the streamed blocks: a 2,048-token prompt of
-    a Llama-3.2-1B-shaped model, bfloat16, pure streaming, took 57 s in one pass and 99 s in four under a
-    1,600 MiB cap (the blocks re-read from disk), 81-237 s against 113-117 s for transformers without a
-    cap (a shared, busy machine), so a prompt is chunked only when the memory left asks for it."""
+    widest fit `free` bytes. Every chunk is one more read of the streamed blocks, so a prompt is chunked
+    only when the memory left asks for it (docs/BENCHMARKS.md, section "Long prompts")."""
     kv = kv_peak(shape, rows, length, new_tokens)
     chunk = length
     while chunk > MIN_PREFILL_CHUNK and kv + shape.pass_bytes(rows, chunk, length, 1) > free:

@@ -212,7 +212,7 @@ def _remaining(sequence: Sequence) -> int:
 def _ahead(sequence: Sequence) -> int:
     """Columns the batch's cache reserves for a sequence's tokens to come: all of them up to KV_AHEAD_TOKENS.
     A request without max_tokens may ask for a whole context (32,768 tokens of Qwen2.5-0.5B are 768 MiB of
-    float32 cache): reserving that at once had the kernel kill the server; past these the cache grows as
+    float32 cache), and reserving that at once can exhaust the memory; past these the cache grows as
     the tokens come (`BatchEngine._grow`), while memory allows."""
     return min(_remaining(sequence), KV_AHEAD_TOKENS)
 
@@ -354,8 +354,8 @@ class BatchEngine:
     def _warm_up(self) -> None:
         """Under a memory bound, one pass over streamed blocks before the first admission: the reader's
         buffers are then allocated and in use, so admission measures the memory really left rather than
-        guessing what the first pass will take (a first burst was held to 11 of 32 by that guess), and
-        every block has been checksummed. A failure here (a corrupt store) is left for the first request
+        guessing what the first pass will take (a guess that holds a first burst back; docs/BENCHMARKS.md,
+        section "Many tokens per weight read"), and every block has been checksummed. A failure here (a corrupt store) is left for the first request
         to meet and report."""
         if not (self.memory_bound and getattr(self.model, "stream_working_set", 0)):
             return
@@ -388,7 +388,7 @@ class BatchEngine:
         most GATHER_ROUNDS times that in all, or until a full batch waits), so that requests sent together
         start together. Alone, the first would take a pass over the blocks for its prefill, then one more
         per chunk of the others' prefill, each a whole weight read for one token (a dynamic batcher's queue
-        delay; 32 clients at once through `serve`: 21 then 11 without it). Holds the condition."""
+        delay; docs/BENCHMARKS.md, section "Many tokens per weight read"). Holds the condition."""
         started = time.monotonic()
         while not self._closed and len(self._waiting) < self.max_batch_size:
             arrived = len(self._waiting)

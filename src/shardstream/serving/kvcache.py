@@ -4,8 +4,8 @@ one tensor as wide as the batch's widest row plus the most tokens any row may st
 and each pass writes its new columns in place.
 
 transformers' DynamicCache grows by `torch.cat`: every decode step copies every layer's whole cache
-into a new tensor. For 32 rows of the reference model (issue 10) those copies took a third of a
-decode step at 42 columns and more as rows grow, and each left a transient copy of a layer behind.
+into a new tensor, a large share of a batch's decode step that grows with its rows, and each copy leaves
+a transient copy of a layer behind (docs/BENCHMARKS.md, section "Many tokens per weight read").
 StaticCache writes in place but cannot take rows in or out, which continuous batching does between
 steps. `ReservedLayer` is a DynamicLayer (so transformers' masks and `get_seq_length` work unchanged)
 whose `keys`/`values` are views of the first columns of a reserved tensor; `merge` and `select` rebuild

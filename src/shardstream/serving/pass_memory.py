@@ -3,21 +3,18 @@
 The batch engine has glibc map every allocation of 1 MiB or more on its own
 (`admission.map_large_allocations`), so that freed memory goes back to the system and admission
 measures what is really left. The price is paid by every fresh activation of a prefill pass: the
-kernel faults it in and zeroes it. A pass of 32 prompts of 32 tokens through the 4-bit reference
-model spent 0.67 s of 3.5 s in elementwise operations, mostly on those faults. glibc's heap would
-reuse the memory, but it puts each layer's activations in new places (the pass's peak rose by 244 MiB,
-and `serve` was killed under a 600 MiB cap), and no caching allocator (jemalloc, tcmalloc, mimalloc)
-installs from the package registry.
+kernel faults it in and zeroes it, a large share of a prefill pass. glibc's heap would reuse the
+memory, but it puts each layer's activations in new places, so a pass's peak outgrows what admission
+planned, and no caching allocator (jemalloc, tcmalloc, mimalloc) installs from the package registry.
 
 So the engine replaces torch's CPU allocator with a small one (`pass_memory.cpp`): during a pass, a
 freed block of 1 MiB or more is kept for the next allocation it fits (a model's layers allocate the
 same sizes one layer after another), and the kept blocks are freed when the pass ends. Outside
-passes it frees at once, as before. Measured under `serve` and that cap, two alternating rounds: the
-pass 3.49-3.70 -> 2.82-2.96 s, 32 requests 62.5-66.5 -> 66.8-72.8 tok/s, the same decode steps and
-memcap peak; in one process the pass's peak resident memory was 13-18 MiB higher.
+passes it frees at once, so other code sees glibc's behaviour. What it gains and costs:
+docs/BENCHMARKS.md, section "Many tokens per weight read".
 
-It is built with the system's C++ compiler on first use (about a second; see native.py). Without a
-compiler, or with `SHARDSTREAM_PASS_MEMORY=0`, the engine runs as before; the INFO log says why.
+It is built with the system's C++ compiler on first use (see native.py). Without a compiler, or with
+`SHARDSTREAM_PASS_MEMORY=0`, torch's own allocator stays in place; the INFO log says why.
 """
 
 from __future__ import annotations

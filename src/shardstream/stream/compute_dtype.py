@@ -1,11 +1,9 @@
 """The dtype a streamed model computes in: the checkpoint's where the device multiplies it fast, else float32.
 
 Real checkpoints are bfloat16 or float16. A CPU without bfloat16 instructions (AVX512_BF16 or AMX) runs
-bfloat16 products through conversions: measured on 2 cores (AVX-512, no AVX512_BF16), 13.6 GFLOP/s
-against 45 for float32 at 512 rows, 4.6 against 6.3 at one row; a CPU with them runs bfloat16 faster
-than float32 (430 against 174 GFLOP/s at 512 rows on an AVX512_BF16 EPYC). float16 likewise needs
-AVX512_FP16 or AMX-FP16 (30 against 117 GFLOP/s at 64 rows without). Where the checkpoint's dtype is
-slow, the model is built in float32 ("bfloat16 weights, float32 math"): its Linear weights, embedding
+bfloat16 products through conversions, slower than float32; a CPU with them runs bfloat16 faster than
+float32. float16 likewise needs AVX512_FP16 or AMX-FP16 (docs/BENCHMARKS.md, section "Products from
+bf16/fp16 weights on the CPU"). Where the checkpoint's dtype is slow, the model is built in float32 ("bfloat16 weights, float32 math"): its Linear weights, embedding
 and head stay in memory as stored and are multiplied in float32 by half_linear.py (loader.BlockLoader.
 pack_linear_weights), so neither the reads nor the memory double; only small tensors (norms, biases)
 are converted. GPUs keep the checkpoint's dtype (bfloat16 where the GPU supports it).

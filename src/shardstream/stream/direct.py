@@ -8,12 +8,10 @@ speed. Two ways around it read into our own buffers, so the same few buffers ser
 - 'direct': O_DIRECT, from the disk straight into the buffers, nothing in the page cache and no
   copy on the CPU (DeepSpeed's NVMe offload reads this way). The buffers are backed by transparent
   huge pages (`read_buffer`): with 4 KiB pages a request holds at most the queue's max_segments
-  pages (1 MiB on a virtio disk) and O_DIRECT read at 0.8-1.3 GB/s on the 2-core VM of
-  docs/BENCHMARKS.md, below ordinary reads (1.1-1.9); with 2 MiB pages it reads at 2.2-3.0 GB/s.
-  A Llama-3.2-1B-shaped bf16 model under a 1200 MiB cap decodes at 0.95-0.98 tok/s this way against
-  0.59-0.65 with dropped reads, same run. A GPU's page-locked buffers are read so too (measured there
-  at 0.99x an O_DIRECT read floor). A filesystem without O_DIRECT (tmpfs, some FUSE mounts) raises
-  `DirectUnsupported`, and the caller maps the file instead.
+  pages (1 MiB on a virtio disk) and O_DIRECT reads slower than the page cache; with 2 MiB pages it
+  reads faster than ordinary reads, and faster than 'dropped' below (docs/BENCHMARKS.md, section
+  "Real shapes"). A GPU's page-locked buffers are read so too. A filesystem without O_DIRECT (tmpfs,
+  some FUSE mounts) raises `DirectUnsupported`, and the caller maps the file instead.
 - 'dropped': an ordinary read, the kernel's readahead keeping several requests in flight, then the
   range's pages are dropped from the page cache at once (POSIX_FADV_DONTNEED), so there is little to
   reclaim. It costs a copy out of the page cache on the reader threads, which the computing thread
@@ -141,8 +139,8 @@ def read_buffer(size: int) -> mmap.mmap:
 
     Private, not the shared mapping `mmap.mmap(-1, n)` makes (shared anonymous memory gets no transparent
     huge pages). With 4 KiB pages an O_DIRECT request holds at most the queue's max_segments pages
-    (254 on a virtio disk: 1 MiB); with 2 MiB pages each request is as large as the queue takes. On the
-    2-core VM of docs/BENCHMARKS.md, O_DIRECT reads went from 0.8-1.3 GB/s to 2.2-3.0 GB/s."""
+    (254 on a virtio disk: 1 MiB); with 2 MiB pages each request is as large as the queue takes, and
+    reads about twice as fast (docs/BENCHMARKS.md, section "Real shapes")."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)

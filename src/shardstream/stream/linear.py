@@ -2,13 +2,11 @@
 
 A batch's decode step multiplies every weight matrix by a handful of rows (one per sequence, or the
 k + 1 tokens a speculative pass checks). MKL's sgemm for `x @ Wᵀ` with 2 to about 100 rows repacks
-the whole weight matrix on every call; `W @ xᵀ` streams it once. Measured on 2 cores, the 16 blocks
-of the reference model (hidden 1024, intermediate 2816, weights fresh from memory), per pass:
-2 rows 0.085 -> 0.042 s, 8 rows 0.095 -> 0.079 s, 32 rows 0.153 -> 0.119 s, 128 rows 0.371 -> 0.345 s;
-256 rows even, 512 rows 4% slower, so larger products (a prefill) keep `F.linear`. One row is a
-matrix-vector product either way and keeps `F.linear`. The sums are the same dot products: equal
-bit for bit from about 10 rows here, within rounding (~1e-6) below, as a batch already differs
-from a row alone.
+the whole weight matrix on every call; `W @ xᵀ` streams it once. From a few hundred rows on it
+gains nothing, so larger products (a prefill) keep `F.linear` (docs/BENCHMARKS.md, section
+"Many tokens per weight read"). One row is a matrix-vector product either way and keeps `F.linear`.
+The sums are the same dot products: equal bit for bit from about 10 rows, within rounding below, as a
+batch already differs from a row alone.
 
 A quantized weight kept packed (quant_linear.py) is multiplied from its codes instead, at every row count,
 and a packed embedding dequantizes just the rows of a pass's tokens (a 4-bit 128k-token vocabulary: 131 MB
@@ -26,6 +24,8 @@ from torch import nn
 from .. import quant
 from . import half_linear, quant_linear
 
+# Row counts whose products run as W @ xᵀ: where it beats MKL's x @ Wᵀ (docs/BENCHMARKS.md, section "Many
+# tokens per weight read").
 FEW_ROWS = range(2, 129)
 
 

@@ -157,9 +157,9 @@ class BlockLoader:
 
     def _reserve(self, key: tuple[int, int]) -> bool:
         """On CUDA, whether a streamed piece read for the first time is to stay page-locked in host RAM, so
-        that later tokens only copy it to the GPU: with the blocks in the page cache, reading them again
-        (one copy into the pinned buffers) cost 4x the copy to the GPU itself (H100, 822 MB per token:
-        120-170 ms against 16 ms). The first pieces read are kept while their own bytes (read and
+        that later tokens only copy it to the GPU: even from the page cache, reading a piece again into the
+        pinned buffers costs several times its copy to the GPU (docs/BENCHMARKS.md, section "Streaming on a
+        GPU"). The first pieces read are kept while their own bytes (read and
         dequantized, in buffers of their exact size) fit `host_budget`, as with resident blocks
         (residency.py); they are counted from now."""
         read, decoded = self._exact[key]
@@ -202,7 +202,8 @@ class BlockLoader:
         stay so in resident parts too. A tied tensor is handed over so only when every parameter it fills is one
         of them (a tied embedding and head: one tensor serves both). On a CUDA GPU (the Triton kernel), only the
         streamed blocks' quantized weights: they cross the bus as codes and stay so on the GPU; resident blocks
-        and the parts outside the blocks are dequantized once, at load, as before. Call before reading anything."""
+        and the parts outside the blocks are dequantized once, at load, where the cost is paid once. Call before
+        reading anything."""
         on_cpu = self.device.type == "cpu"
         tensors = self.store.manifest.tensors
         aliases: dict[str, list[str]] = {}
@@ -496,7 +497,8 @@ class BlockLoader:
     def _decode(self, key: tuple[int, int], names: list[str], located: Callable[[str, int], tuple[mmap.mmap, int]],
                 buffers: list, exact: bool = False) -> dict[str, torch.Tensor]:
         """The piece's tensors viewing the bytes read; quantized ones dequantized into one pool buffer,
-        reused piece after piece (fresh tensors per piece made dequantization 6x slower, in page faults)."""
+        reused piece after piece: fresh tensors per piece would spend dequantization's time on page faults
+        (docs/BENCHMARKS.md, section "Quantized stores")."""
         def view(file_name: str, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
             return tensor_from_bytes(*located(file_name, offset), dtype, shape)
 

@@ -96,8 +96,8 @@ def _map_file(store: Store, file_name: str, verify: bool = False,
 def release_unviewed(mappings: list[mmap.mmap], tensors: Iterable[torch.Tensor | QuantizedTensor]) -> int:
     """Unmap from this process the pages of these mappings that none of `tensors` views: what conversion
     copied (a Mixtral block's experts stacked into one tensor, weights cast to another compute dtype), so that
-    a resident part is not in memory twice, once as the file's pages and once converted (a 2-layer Mixtral-8x7B-
-    shaped store held 5.9 GB mapped beside 5.6 GB of stacked experts). The pages stay in the page cache, where
+    a resident part is not in memory twice, once as the file's pages and once converted (docs/BENCHMARKS.md,
+    section "Real shapes", the Mixtral-8x7B shape). The pages stay in the page cache, where
     the kernel may reclaim them; a page touched again is read back. Returns the bytes released."""
     views = []
     for tensor in tensors:

@@ -126,8 +126,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, prefixes, place)
-        # asked again now that the resident parts are in memory: under a cap they count against it (a 4-bit
-        # Llama-3.2-1B's head, dequantized, left its 0.53 GB of blocks no room in the page cache of a 1200 MiB cap)
+        # asked again now that the resident parts are in memory: under a cap they count against it, and a large
+        # resident head can leave the blocks no room in the page cache
         if self._loader.reading == "mapped":
             self._loader.reading = block_reading(store, copy_free=self.device.type == "cuda")
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, verify_checksums)
@@ -192,9 +192,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         default pieces: blocks cut at half PIECE_BYTES, and as many pieces read ahead as fill the working
         set that PIECE_BYTES pieces with one read ahead would take. The same memory then holds more,
         smaller pieces, so both reader threads have one to read while a third computes: with O_DIRECT the
-        disk works only on what is asked of it, and one piece at a time left it idle between pieces. Under
-        a 1200 MiB cap a Llama-3.2-1B-shaped bf16 model decodes 10-22% faster this way, 3 rounds side by
-        side (its MLP Linears one per piece, 3 read ahead); where a Linear alone exceeds half PIECE_BYTES
+        disk works only on what is asked of it, and one piece at a time leaves it idle between pieces
+        (docs/BENCHMARKS.md, section "Real shapes"); where a Linear alone exceeds half PIECE_BYTES
         (a 7B's MLP), or a block is read whole, nothing changes. Elsewhere (a GPU's copies, pieces asked
         for): one piece read ahead."""
         if depth != "auto" or piece_bytes is not None or self.device.type != "cpu":
@@ -362,9 +361,9 @@ class StreamingModel(TransformersHabits, WrapsModel):
 
     def leave_memory_to_a_batch(self) -> None:
         """A batch engine will fill the memory left with KV caches: read the streamed blocks with O_DIRECT
-        if 'auto' would have cached them (4-bit blocks that fit in the page cache at load time are then
-        evicted and re-read under reclaim every pass: measured 16.9 against 18.7 tok/s for 32 requests
-        under a 600 MiB cap, 373,000 cap hits against none); O_DIRECT rather than dropped reads, as a
+        if 'auto' would have cached them (blocks that fit in the page cache at load time are then evicted
+        and re-read under reclaim every pass; docs/BENCHMARKS.md, section "Quantized stores"); O_DIRECT
+        rather than dropped reads, as a
         batch's pass is compute-bound and O_DIRECT copies nothing on the CPU. SHARDSTREAM_DIRECT_IO=off
         still wins."""
         if self._loader.reading != "direct":

@@ -9,11 +9,10 @@ is a few large reads rather than many small ones: each piece costs a read, a han
 threads and two hooks. The default, `PIECE_BYTES`, makes the reference model's block three pieces
 (its small tensors, q/k/v/o_proj: 16 MiB, gate/up/down_proj: 33 MiB); a batch engine, whose KV
 caches want the memory, asks for `BATCH_PIECE_BYTES` (16 MiB: q/k/v/o, then gate, up and down
-apart). Measured under a 600 MiB cap, one stream, 3 rounds side by side (tok/s): pure streaming
-2.45/2.18/2.91 with 16 MiB against 3.45/3.14/3.14 with 64 MiB; the defaults 3.35/4.13/4.15 against
-4.54/4.78/3.94 (one resident block fewer). One piece per Linear (7 per block) had cost a single
-stream about a fifth of its speed. `named_modules()` order is the forward order of every family we support
-(tests/test_stream_pieces.py checks it), so the reader can read pieces ahead in that order.
+apart). One stream keeps the larger pieces, as their fewer reads, hand-overs and hooks make it faster
+(docs/BENCHMARKS.md, section "One stream"). `named_modules()` order is the forward order of every
+family we support (tests/test_stream_pieces.py checks it), so the reader can read pieces ahead in that
+order.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Products with quantized weights straight from their codes, never dequantized into memory.
 
-A quantized store's blocks used to be dequantized on every pass: 720 MB of float32 written and read
-again per token on the reference model (hidden 1024, 16 blocks), which made one stream of the 4-bit
-store bound by dequantization (0.128 of its 0.153 s per token on 2 cores), not by its 104 MB of
-reads. `quant_linear.cpp` decodes 16 weights at a time in registers (a table lookup and one
-multiply: the same float32 values dequantization writes) and multiplies them in at once. Measured on
-2 cores (AMD EPYC, AVX-512), one 2816 x 1024 weight, two runs, against dequantizing it (bitsandbytes'
-kernel, into a reused buffer) then the product the runtime ran on it, and that product alone:
-
-| rows | 4-bit, from the codes | dequantize + product | product alone | 8-bit, from the codes | dequantize + product |
-|---|---|---|---|---|---|
-| 1 | 0.19-0.20 ms | 0.65-0.75 | 0.24-0.34 | 0.56 | 1.21-2.95 |
-| 8 | 0.30-0.33 | 1.45-3.63 | 0.90-0.97 | 0.90-0.92 | 1.77-1.89 |
-| 32 | 1.14 | 1.82-4.37 | 1.25-1.57 | 1.55-1.67 | 2.27-2.42 |
-| 1024 | 30-33 | 34-36 | 33-35 | 30-31 | 33-35 |
-
-So it serves every row count, prefills included. An 8-bit code is gathered from its 256-entry table
+Dequantizing a store's blocks on every pass writes and reads again four or eight times their stored
+bytes in float32 per token, which binds one stream by dequantization rather than by its reads.
+`quant_linear.cpp` decodes 16 weights at a time in registers (a table lookup and one multiply: the
+same float32 values dequantization writes) and multiplies them in at once; it is no slower than
+dequantize-then-multiply at any row count, so it serves every one, prefills included
+(docs/BENCHMARKS.md, section "Quantized stores"). An 8-bit code is gathered from its 256-entry table
 rather than looked up in a register, which makes one row slower than the product of a float32 matrix
 already in memory; 8-bit weights stay packed in resident blocks all the same, since dequantized they would
 take four times their stored size in float32 (a 128k-token 8-bit head: 1 GB instead of 263 MB).
@@ -23,10 +13,9 @@ take four times their stored size in float32 (a 128k-token 8-bit head: 1 GB inst
 Each output is one sum in a fixed order whatever the number of rows (see the .cpp): a row's product
 is the same bits alone or in any batch, and differs from dequantize-then-`F.linear` only in rounding
 (about 1e-6). It is built on first use (native.py) for the widest vectors torch's CPU capability
-reports: AVX-512F, else AVX2 with FMA (half as wide; on the same machine 0.36 ms for 1 row, 1.8 ms
-for 32, but 41 ms for 1024, slower there than dequantizing and MKL's product). Without either,
-without a C++ compiler, or with `SHARDSTREAM_QUANT_KERNEL=0`, weights are dequantized as before and
-the INFO log says why.
+reports: AVX-512F, else AVX2 with FMA (half as wide, and at prefill sizes slower than dequantizing and
+MKL's product). Without either, without a C++ compiler, or with `SHARDSTREAM_QUANT_KERNEL=0`, weights
+are dequantized on every pass and the INFO log says why.
 
 On a CUDA GPU, a streamed block's weights stay packed where the Triton kernel of quant_triton.py runs, and
 the few rows of a decode step are multiplied from the codes by it, with the same values (`uses_triton`).
@@ -60,7 +49,7 @@ _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # On a CUDA GPU, products of up to this many rows run the Triton kernel (quant_triton.py): a decode step, one row
 # a sequence of a batch or the k + 1 a speculative pass checks. Each of its programs decodes its codes for one
 # row, so its work grows with the rows while cuBLAS's product of a dequantized weight barely does: beyond them
-# (a prefill) the weight is dequantized, as before, and cuBLAS multiplies it. Decode from the codes beats
+# (a prefill) the weight is dequantized and cuBLAS multiplies it. Decode from the codes beats
 # dequantizing on a GPU (docs/BENCHMARKS.md, "Streaming on a GPU"); the bound of 16 rows is the kernel's shape,
 # not a measured crossover (benchmarks/stream_gpu.py times both, with SHARDSTREAM_TRITON=0 and without).
 TRITON_ROWS = 16

@@ -1,9 +1,8 @@
 """Products with quantized weights straight from their codes on a CUDA GPU: one Triton kernel launch a Linear.
 
-A quantized block crosses the bus as its codes; the GPU used to dequantize every tensor there (three kernels,
-`quant._dequantize_elementwise`), then cast it and multiply it by cuBLAS: on an H200 the 4-bit host tier ran at
-0.44x the float32 one, bound by the launches on the computing thread (docs/BENCHMARKS.md, "Streaming on a
-GPU"). This kernel decodes the codes with their scales in registers and multiplies them in, one launch a
+A quantized block crosses the bus as its codes. Dequantizing every tensor there (three kernels,
+`quant._dequantize_elementwise`), then casting it and multiplying it by cuBLAS, binds a decode step by the
+launches on the computing thread (docs/BENCHMARKS.md, section "Streaming on a GPU"). This kernel decodes the codes with their scales in registers and multiplies them in, one launch a
 Linear, for the few rows of a decode step (`quant_linear.TRITON_ROWS`); a prefill's many rows are still
 dequantized and multiplied by cuBLAS, where the product, not the launches, takes the time.
 
@@ -24,8 +23,8 @@ Only `tl` operations stable since Triton 2.x (masked load/store, arange, integer
 sum). Checked in tests/test_quant_triton.py under `TRITON_INTERPRET=1` on the CPU and compiled for sm_90
 (H100, H200) with triton 3.6.0 (torch 2.11's), 3.7.1 (torch 2.13's) and 3.8.0; on each GPU at its first use
 (`available`) against dequantize + `F.linear`.
-Without triton, on another device, or with `SHARDSTREAM_TRITON=0`, the GPU dequantizes as before; the INFO
-log says why, once.
+Without triton, on another device, or with `SHARDSTREAM_TRITON=0`, the GPU dequantizes each tensor and
+cuBLAS multiplies it; the INFO log says why, once.
 """
 
 import functools
@@ -50,7 +49,7 @@ log = logging.getLogger("shardstream.stream")
 METHODS = quant.BLOCKWISE   # the codes it reads: NF4's and 8-bit's flat blocks (int4 is dequantized on a GPU)
 OUTPUT = {quant.DTYPES[name]: code for name, code in ROUND.items()}   # x's dtype (the output's), coded as ROUND
 # 16 columns a program: a 2048-wide output is 128 programs a row, about one per SM of an H100; 256 weights of
-# each column a step (128 pairs: 8 a thread of 4 warps). Chosen, not tuned: unmeasured on a GPU so far.
+# each column a step (128 pairs: 8 a thread of 4 warps). Chosen for that fit, not tuned by measurement.
 BLOCK_N = 16
 BLOCK_K = 256
 

@@ -40,7 +40,8 @@ def source_key(source: str, revision: str | None = None) -> str:
 
 def default_store_path(source: str, revision: str | None = None, compression: str | None = None) -> Path:
     """~/.cache/shardstream/<name>[-<compression>]-<hash of the source key and compression> (or under
-    $SHARDSTREAM_CACHE); an uncompressed store keeps the path it had before compression was in the key."""
+    $SHARDSTREAM_CACHE); an uncompressed store's key leaves compression out, so that stores already
+    converted into the cache keep their path."""
     base = Path(CACHE.get() or Path.home() / ".cache" / "shardstream")
     key = source_key(str(source), revision)
     name = re.sub(r"[^A-Za-z0-9._-]+", "--", key.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"

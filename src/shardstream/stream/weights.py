@@ -60,8 +60,8 @@ class WeightMapper:
 
     def _rename(self, key: str) -> tuple[str, str | None]:
         """The parameter name (and converter pattern) of a checkpoint key; remembered, since a streamed
-        block's keys are renamed again on every pass (transformers' regexes: 2.2 of the 6.3 ms that a 32-row
-        decode step of the issue-10 model spent converting)."""
+        block's keys are renamed again on every pass, and transformers' regexes are a large part of what
+        converting them costs (docs/BENCHMARKS.md, section "Many tokens per weight read")."""
         if key not in self._renamed:
             renamed, pattern = rename_source_key(key, self._renamings, self._converters, self._prefix, self._expected)
             self._renamed[key] = (key, None) if renamed not in self._expected and key in self._expected else (renamed, pattern)

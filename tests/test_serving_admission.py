@@ -84,7 +84,7 @@ def _measure_all() -> None:
 def test_a_pass_never_takes_more_than_admission_counts_for_it():
     tests = Path(__file__).resolve().parent
     run = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r}); "
-                          "import test_stream_admission as t; t._measure_all()"],
+                          "import test_serving_admission as t; t._measure_all()"],
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "THP_MEM_ALLOC_ENABLE": "0"})   # huge pages would round the peak up
     assert run.returncode == 0, run.stderr[-2000:]

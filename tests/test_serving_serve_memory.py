@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
-from test_stream_server import _free_port
+from test_serving_server import _free_port
 from tiny_models import char_tokenizer
 
 MEMCAP = Path("/work/shared/tools/memcap")
