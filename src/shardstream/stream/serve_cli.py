@@ -18,7 +18,8 @@ from ..errors import InvalidOption, ServerStopping
 from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, real_number,
                        refuse_tp_cache, size, whole_number)
 from ..sizes import parse_size
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class, stop_on_signals
+from ..serving.endpoint import (Endpoint, bind, log_batch_bounds, read_template, say, say_resident, server_class,
+                                stop_on_signals)
 from ..switches import API_KEY
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
@@ -98,6 +99,7 @@ def serve_command(
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
                               batch_size=max_batch_size, max_host_memory=max_host_memory,
                               converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
+        say_resident(model)
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)

@@ -87,6 +87,11 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
         return self._streaming.resident_blocks
 
     @property
+    def resident_budget(self) -> int:
+        """Bytes this rank's resident blocks were chosen within (StreamingModel.resident_budget)."""
+        return self._streaming.resident_budget
+
+    @property
     def closed(self) -> bool:
         return self._streaming.closed
 

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
 from ..stream.cli import Converting, check_device
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, server_class, stop_on_signals
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .cli import open_rank
 from .group import check_torchrun, join_group
 from .serving import GroupCalls, error_gist, follow
@@ -44,7 +44,9 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, s
 
     def open_model():
         join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
-        return open_rank(source, store_path, device, compute_dtype, converting, progress, *memory, tp_cache)
+        model = open_rank(source, store_path, device, compute_dtype, converting, progress, *memory, tp_cache)
+        say_resident(model, f"rank {dist.get_rank()} of {dist.get_world_size()}")
+        return model
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     if rank != 0:
