@@ -51,7 +51,8 @@ def serve_command(
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Annotated[str, typer.Option(
         help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
-             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.",
+             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB. With "
+             "--tensor-parallel, each rank's: the CPU ranks of one machine divide its memory for auto.",
         callback=size(auto=True))] = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
@@ -79,11 +80,10 @@ def serve_command(
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         refuse_experts_with_tp(experts)
-        from .cli import memory_options
         from ..tp.serve import serve_tp
 
         serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout,
-                 memory_options(max_resident_memory, max_host_memory, device), tp_cache)
+                 max_resident_memory, max_host_memory, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if tp_timeout is not None:
