@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 SRC = Path(__file__).resolve().parents[1] / "src"
 KEY = "tp-key"
 CONTEXT = 512   # room for a request long enough to be in flight when a rank is killed
+RESIDENT = re.compile(r"shardstream serve: (.+) keeps \d+ blocks? .*\(resident budget (\d+) MiB\)")
 PROMPTS = ["Hello", "ROMEO:", "To be, or not to be", "a", "The quick brown fox", "Zz", "0123456789", "Once upon a time"]
 
 
@@ -204,6 +206,43 @@ def test_a_rank_started_with_another_store_is_one_sentence_on_each_rank(tiny, tm
         sentence = " ".join(stderr.split())
         assert f"rank 1 opened {other / 'store'}, another model than rank 0's {store}" in sentence
         assert "start every rank with a copy of the same store" in sentence
+
+
+def _resident_budgets(process: subprocess.Popen, log: Path, count: int) -> dict[str, int]:
+    """The resident budget (MiB) each model in `log` said it keeps blocks within, by who said it
+    ("the model", "rank 1 of 2"), once `count` have said it."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-3000:]
+        said = {who: int(mib) for who, mib in RESIDENT.findall(log.read_text())}
+        if len(said) == count:
+            return said
+        time.sleep(0.2)
+    raise AssertionError("no resident budget said: " + log.read_text()[-3000:])
+
+
+def test_auto_residency_of_a_serving_rank_is_its_share_of_serves(tiny, tmp_path):
+    """`--max-resident-memory auto` when serving batches: one process keeps blocks within a quarter of what
+    generate's `auto` takes, leaving the rest to the KV caches; two ranks on one machine share its memory,
+    so each keeps them within half of that, not within generate's share."""
+    store, _, _ = tiny
+    log = tmp_path / "alone.log"
+    alone = subprocess.Popen([sys.executable, "-m", "shardstream", "serve", str(store), "--port", str(_free_port()),
+                              "--no-progress", "--max-batch-size", "8"],
+                             stdout=subprocess.DEVNULL, stderr=log.open("w"), env=_env())
+    try:
+        one = _resident_budgets(alone, log, 1)["the model"]
+    finally:
+        alone.terminate()
+        alone.wait(timeout=60)
+    served = Ranks(store, tmp_path / "ranks.log", "--max-batch-size", "8", "--tp-cache", str(tmp_path / "cache"))
+    try:
+        ranks = _resident_budgets(served.process, served.log, 2)
+    finally:
+        served.stop()
+    assert ranks.keys() == {"rank 0 of 2", "rank 1 of 2"}
+    for budget in ranks.values():   # the memory available moves a little between the starts
+        assert 0.3 * one < budget < 0.8 * one, (one, ranks)
 
 
 def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_the_same(ranks):

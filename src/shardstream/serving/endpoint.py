@@ -55,6 +55,14 @@ def log_batch_bounds() -> None:
     engine_log.setLevel(logging.INFO)
 
 
+def say_resident(model, who: str = "the model") -> None:
+    """One line at start: how many blocks stay in memory between passes and the budget they were chosen
+    within, so that an operator sees what `--max-resident-memory` came to (`auto`: a share of the memory)."""
+    blocks = len(model.resident_blocks)
+    say(f"shardstream serve: {who} keeps {blocks} block{'' if blocks == 1 else 's'} in memory between passes "
+        f"(resident budget {model.resident_budget >> 20} MiB)")
+
+
 def server_class():
     import uvicorn
 

@@ -65,19 +65,12 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                max_host_memory: str = "auto", converting: Converting | None = None,
                compute_dtype: str = "auto", experts: str = "with-block", role: str = "") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
-    options, which mean what they mean to `shardstream convert`). For batches of more than one
-    sequence, `auto` residency, experts held on demand and the pieces leave memory to the KV caches
-    (residency.py, pieces.py). `role` ("draft") names the model in the lines it prints."""
-    from .pieces import BATCH_PIECE_BYTES
-    from .residency import batch_resident_budget
-
+    options, which mean what they mean to `shardstream convert`), within `memory_policy`'s memory
+    for `batch_size` sequences at once. `role` ("draft") names the model in the lines it prints."""
     check_device(device)
     if experts not in EXPERT_OPTIONS:
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
-    budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
-    # experts held between passes are bytes the KV caches of a batch do not get, as resident blocks are
-    held_experts = ("auto" if experts == "with-block" or batch_size == 1
-                    else int(batch_resident_budget("auto", batch_size, device)))
+    memory = memory_policy(max_resident_memory, max_host_memory, device, batch_size, experts)
     from .auto import AutoModel
 
     converting = converting or Converting()
@@ -86,11 +79,25 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          sequential_shard_processing=converting.sequential,
                                          compression=compression(converting.compression),
                                          token=converting.hf_token, revision=converting.revision,
-                                         max_resident_memory=budget, profiling_mode=profile, progress=progress,
-                                         piece_bytes=BATCH_PIECE_BYTES if batch_size > 1 else None,
-                                         max_host_memory=host, compute_dtype=compute_dtype,
-                                         experts=EXPERT_OPTIONS[experts],
-                                         max_expert_memory=held_experts)
+                                         profiling_mode=profile, progress=progress, compute_dtype=compute_dtype,
+                                         experts=EXPERT_OPTIONS[experts], **memory)
+
+
+def memory_policy(max_resident_memory: str, max_host_memory: str, device: str, batch_size: int = 1,
+                  experts: str = "with-block") -> dict[str, int | str | None]:
+    """from_pretrained's memory options for a model that runs `batch_size` sequences at once, from the
+    command's: one process's, or one tensor-parallel rank's (whose `auto` is its share of the machine,
+    residency.resolve_budget). For batches of more than one sequence, `auto` residency, experts held on
+    demand and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
+    from .pieces import BATCH_PIECE_BYTES
+    from .residency import batch_resident_budget
+
+    budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
+    # experts held between passes are bytes the KV caches of a batch do not get, as resident blocks are
+    held_experts = ("auto" if experts == "with-block" or batch_size == 1
+                    else int(batch_resident_budget("auto", batch_size, device)))
+    return {"max_resident_memory": budget, "max_host_memory": host, "max_expert_memory": held_experts,
+            "piece_bytes": BATCH_PIECE_BYTES if batch_size > 1 else None}
 
 
 def refuse_experts_with_tp(experts: str) -> None:

@@ -8,6 +8,7 @@ exactly k hits per token, which is the best any policy can do for this pattern.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -27,17 +28,24 @@ def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, devi
     None: no limit, every block stays.
 
     'auto' = AUTO_SHARE of the memory available after the fixed parts (embeddings, head) were
-    loaded: on a GPU, the GPU's free memory (which counts those parts already); on the CPU, RAM. A
-    cgroup's usage already counts those parts' pages; the system-wide figure counts them as
-    reclaimable page cache, so there they are subtracted. Under a 600 MiB cap on the 470 MB
-    benchmark model this keeps 2 of 8 blocks resident, decoding 1.3x faster than pure streaming.
+    loaded: on a GPU, the GPU's free memory (which counts those parts already); on the CPU, RAM,
+    divided among the processes that share it (`machine_processes`). A cgroup's usage already counts
+    those parts' pages; the system-wide figure counts them as reclaimable page cache, so there they
+    are subtracted. Under a 600 MiB cap on the 470 MB benchmark model this keeps 2 of 8 blocks
+    resident, decoding 1.3x faster than pure streaming.
     """
     if max_resident_memory == "auto" and str(device).startswith("cuda"):
         return int(gpu_free_bytes(device) * AUTO_SHARE)
     if max_resident_memory == "auto":
         available, capped = available_memory()
-        return max(0, int(available * AUTO_SHARE) - (0 if capped else fixed_bytes))
+        return max(0, int(available * AUTO_SHARE) // machine_processes() - (0 if capped else fixed_bytes))
     return _bytes_option("max_resident_memory", max_resident_memory)
+
+
+def machine_processes() -> int:
+    """The processes whose models share this machine's RAM: the ranks torchrun started on it
+    (LOCAL_WORLD_SIZE, tensor parallelism), else this one; each takes an equal share of `auto`."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def resolve_host_budget(max_host_memory: int | str | None, device: torch.device | str) -> int:

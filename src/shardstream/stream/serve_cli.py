@@ -18,7 +18,8 @@ from ..errors import InvalidOption, ServerStopping
 from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, real_number,
                        refuse_tp_cache, size, whole_number)
 from ..sizes import parse_size
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, read_template, say, server_class, stop_on_signals
+from ..serving.endpoint import (Endpoint, bind, log_batch_bounds, read_template, say, say_resident, server_class,
+                                stop_on_signals)
 from ..switches import API_KEY
 from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
 
@@ -50,7 +51,8 @@ def serve_command(
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
     max_resident_memory: Annotated[str, typer.Option(
         help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
-             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB.",
+             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB. With "
+             "--tensor-parallel, each rank's: the CPU ranks of one machine divide its memory for auto.",
         callback=size(auto=True))] = "auto",
     device: Device = "cpu",
     max_host_memory: HostMemory = "auto",
@@ -78,11 +80,10 @@ def serve_command(
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         refuse_experts_with_tp(experts)
-        from .cli import memory_options
         from ..tp.serve import serve_tp
 
         serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout,
-                 memory_options(max_resident_memory, max_host_memory, device), tp_cache)
+                 max_resident_memory, max_host_memory, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if tp_timeout is not None:
@@ -98,6 +99,7 @@ def serve_command(
     with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
                               batch_size=max_batch_size, max_host_memory=max_host_memory,
                               converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
+        say_resident(model)
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),
                              max_batch_size=max_batch_size)

@@ -16,18 +16,17 @@ def refuse_unsupported(unsupported: list[str]) -> None:
 
 
 def open_rank(source: str, store_path: str | None, device: str, compute_dtype: str, converting: Converting,
-              progress: bool, max_resident_memory: int | str = "auto", max_host_memory: int | str = "auto",
-              tp_cache: str | None = None):
-    """This rank's model, streaming its shares within the memory options (bytes or 'auto', as
-    from_pretrained takes them); a checkpoint is converted first with `converting`'s options (once per machine)."""
+              progress: bool, memory: dict[str, int | str | None], tp_cache: str | None = None):
+    """This rank's model, streaming its shares within `memory` (stream/cli.py memory_policy: what one process
+    would take, for the same batches, out of the rank's share of the machine); a checkpoint is converted
+    first with `converting`'s options (once per machine)."""
     from ..stream.auto import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      sequential_shard_processing=converting.sequential,
                                      compression=compression(converting.compression), token=converting.hf_token,
                                      revision=converting.revision, compute_dtype=compute_dtype,
-                                     progress=progress, tensor_parallel=True, max_resident_memory=max_resident_memory,
-                                     max_host_memory=max_host_memory, tp_cache=tp_cache)
+                                     progress=progress, tensor_parallel=True, tp_cache=tp_cache, **memory)
 
 
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
@@ -45,13 +44,13 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
     parse_compute_dtype(compute_dtype, "--compute-dtype")
     import torch.distributed as dist
 
-    from ..stream.cli import check_device, memory_options
+    from ..stream.cli import check_device, memory_policy
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     check_device(device)
-    budget, host = memory_options(max_resident_memory, max_host_memory, device)
-    with open_rank(source, store_path, device, compute_dtype, converting, progress, budget, host, tp_cache) as model:
+    memory = memory_policy(max_resident_memory, max_host_memory, device)   # one sequence: generate's own
+    with open_rank(source, store_path, device, compute_dtype, converting, progress, memory, tp_cache) as model:
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

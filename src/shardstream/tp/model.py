@@ -28,7 +28,6 @@ from ..store.reader import Store
 from ..stream.habits import TransformersHabits
 from ..stream.meta import WrapsModel, build_meta_model
 from ..stream.model import StreamingModel
-from ..stream.residency import resolve_budget
 from ..stream.weights import WeightMapper
 from .experts import RankExperts
 from .group import check_same_store, each_machine_once, fingerprint, join_group, leave_group
@@ -65,7 +64,6 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
             # MoE: this rank's whole experts, the picks of the others sent nowhere (experts.py)
             self._hooks += RankExperts(model, WeightMapper(model), store, self.rank, self.size).localize()
 
-        streaming["max_resident_memory"] = _machine_share(streaming.get("max_resident_memory", "auto"), self.device)
         self._streaming = StreamingModel(view, device=self.device, compute_dtype=compute_dtype, shape_model=split,
                                          **streaming)
         self.model = self._streaming.model
@@ -85,6 +83,11 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
     @property
     def resident_blocks(self) -> list[int]:
         return self._streaming.resident_blocks
+
+    @property
+    def resident_budget(self) -> int:
+        """Bytes this rank's resident blocks were chosen within (StreamingModel.resident_budget)."""
+        return self._streaming.resident_budget
 
     @property
     def closed(self) -> bool:
@@ -139,15 +142,6 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _machine_share(budget: int | str | None, device: torch.device) -> int | str | None:
-    """CPU ranks of one machine share its memory: their 'auto' resident budget is what one process's would
-    be, divided among them (LOCAL_WORLD_SIZE), taken as the rank opens. A GPU rank has its GPU to itself."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if budget != "auto" or device.type != "cpu" or ranks == 1:
-        return budget
-    return resolve_budget("auto", 0, device) // ranks
 
 
 def _resize(model: nn.Module, shares: dict[str, Take]) -> None:

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
-from ..stream.cli import Converting, check_device
-from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, server_class, stop_on_signals
+from ..stream.cli import Converting, check_device, memory_options, memory_policy
+from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .cli import open_rank
 from .group import check_torchrun, join_group
 from .serving import GroupCalls, error_gist, follow
@@ -32,19 +32,25 @@ CLOSE_S = 10.0   # how long the last replies and a clean stop may take (the engi
 
 
 def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, store_path: str | None,
-             converting: Converting, progress: bool, timeout_s: float, memory: tuple[int | str, int | str],
-             tp_cache: str | None) -> None:
+             converting: Converting, progress: bool, timeout_s: float, max_resident_memory: str,
+             max_host_memory: str, tp_cache: str | None) -> None:
     """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked); each rank
-    streams its shares within `memory` (--max-resident-memory, --max-host-memory) as generate's do."""
+    streams its shares within the memory serve's one process takes for the same batches (memory_policy), out
+    of the rank's share of the machine."""
     from ..stream.compute_dtype import parse_compute_dtype
 
     parse_compute_dtype(compute_dtype, "--compute-dtype")
     check_device(device)
+    memory_options(max_resident_memory, max_host_memory, device)   # refused before the ranks join
     check_torchrun()
 
     def open_model():
-        join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
-        return open_rank(source, store_path, device, compute_dtype, converting, progress, *memory, tp_cache)
+        rank_device = join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
+        # `auto` measured on the rank's own device, as it opens
+        memory = memory_policy(max_resident_memory, max_host_memory, str(rank_device), endpoint.max_batch_size)
+        model = open_rank(source, store_path, device, compute_dtype, converting, progress, memory, tp_cache)
+        say_resident(model, f"rank {dist.get_rank()} of {dist.get_world_size()}")
+        return model
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     if rank != 0:
