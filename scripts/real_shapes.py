@@ -9,8 +9,9 @@ one never takes more memory than a shard and never instantiates the model. Nothi
 
     python scripts/real_shapes.py llama-3.2-1b OUT [--layers 2] [--shard-size 1GB]
 
-Shapes: llama-3.2-1b, qwen2.5-0.5b, qwen2.5-7b, mixtral-8x7b (a Mixtral MoE, its 32 layers too big
-for one machine: pass --layers). Tests and benchmarks import `write_checkpoint`.
+Shapes: llama-3.2-1b, qwen2.5-0.5b, qwen2.5-7b, mixtral-8x7b and qwen3-30b-a3b (MoE models: 8 experts of
+Mixtral's width a block, or 128 narrow ones with 8 routed; their 32 and 48 layers are too big for one
+machine: pass --layers). Tests and benchmarks import `write_checkpoint`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ SHAPES: dict[str, dict] = {
                          num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
                          rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
                          sliding_window=None, bos_token_id=1, eos_token_id=2, hidden_act="silu"),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, max_window_layers=48, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False,
+                          use_sliding_window=False, sliding_window=None, attention_bias=False,
+                          router_aux_loss_coef=0.001, output_router_logits=False, bos_token_id=151643,
+                          eos_token_id=151645, hidden_act="silu"),
 }
 STD = 0.02  # transformers' initializer_range: random logits neither flat nor saturated
 
@@ -57,7 +67,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, list[int]]]:
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    bias = config["model_type"] == "qwen2"
+    model_type = config["model_type"]
+    bias = model_type == "qwen2"
     shapes = [("model.embed_tokens.weight", [v, h])]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -67,11 +78,20 @@ def tensor_shapes(config: dict) -> list[tuple[str, list[int]]]:
             if bias:
                 shapes.append((p + f"self_attn.{name}.bias", [rows]))
         shapes.append((p + "self_attn.o_proj.weight", [h, q]))
-        if config["model_type"] == "mixtral":
+        if model_type in ("qwen3", "qwen3_moe"):   # RMSNorm over each head's queries and keys
+            shapes += [(p + "self_attn.q_norm.weight", [head_dim]), (p + "self_attn.k_norm.weight", [head_dim])]
+        if model_type == "mixtral":
             shapes.append((p + "block_sparse_moe.gate.weight", [config["num_local_experts"], h]))
             for e in range(config["num_local_experts"]):
                 x = p + f"block_sparse_moe.experts.{e}."
                 shapes += [(x + "w1.weight", [inter, h]), (x + "w2.weight", [h, inter]), (x + "w3.weight", [inter, h])]
+        elif model_type == "qwen3_moe" and _sparse(config, i):
+            wide = config["moe_intermediate_size"]
+            shapes.append((p + "mlp.gate.weight", [config["num_experts"], h]))
+            for e in range(config["num_experts"]):
+                x = p + f"mlp.experts.{e}."
+                shapes += [(x + "gate_proj.weight", [wide, h]), (x + "up_proj.weight", [wide, h]),
+                           (x + "down_proj.weight", [h, wide])]
         else:
             shapes += [(p + "mlp.gate_proj.weight", [inter, h]), (p + "mlp.up_proj.weight", [inter, h]),
                        (p + "mlp.down_proj.weight", [h, inter])]
@@ -79,6 +99,12 @@ def tensor_shapes(config: dict) -> list[tuple[str, list[int]]]:
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", [v, h]))
     return shapes
+
+
+def _sparse(config: dict, layer: int) -> bool:
+    """Whether a Qwen-MoE block routes to experts (transformers' rule) or holds a dense MLP."""
+    return (layer not in config.get("mlp_only_layers", []) and config["num_experts"] > 0
+            and (layer + 1) % config.get("decoder_sparse_step", 1) == 0)
 
 
 def shape_config(shape: str, layers: int | None = None) -> dict:
@@ -150,7 +176,8 @@ def write_config_checkpoint(config: dict, out: Path, shard_bytes: int = 1 << 30,
 
 
 def _architecture(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
 
 
 def main() -> None:

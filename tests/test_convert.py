@@ -21,7 +21,7 @@ from shardstream.store import open_store
 from http_server import serve_directory
 from tiny_models import save_checkpoint, tiny_config
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:

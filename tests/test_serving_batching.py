@@ -18,7 +18,8 @@ from shardstream.stream import StreamingModel
 from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
 from tiny_models import save_checkpoint, tiny_config, tiny_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2",
+            "gpt_neox", "falcon"]
 EOS = 2
 
 

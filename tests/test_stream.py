@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
+from shardstream.cli import app
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
 from shardstream.store import load_manifest, open_store
@@ -23,7 +25,9 @@ from shardstream.stream.profile import Profile
 from shardstream.stream.residency import choose_resident, resolve_budget, resolve_host_budget
 from tiny_models import save_checkpoint
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2",
+            "gpt_neox", "falcon"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]   # Qwen2-MoE: a gated shared expert beside the routed ones
 TOLERANCE = 1e-5
 
 
@@ -58,6 +62,25 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, family):
         want = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_experts_placed_apart_match_transformers_with_their_block_and_on_demand(tmp_path, family):
+    """After `shardstream shard STORE --experts` every expert is a file of its own: read back with its block
+    (the default) or only when routed to, each family's logits and greedy tokens stay transformers'."""
+    reference, store = _make(tmp_path, family)
+    placed = CliRunner().invoke(app, ["shard", str(store), "--experts"])
+    assert placed.exit_code == 0 and "experts placed" in placed.output, placed.output
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+    options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = reference.generate(ids, **options)
+    for experts in ("with_block", "on_demand"):
+        with AutoModel.from_pretrained(store, experts=experts, max_resident_memory=0, progress=False) as model:
+            assert (model(ids, attention_mask=mask).logits - expected).abs().max().item() <= TOLERANCE, experts
+            assert torch.equal(model.generate(ids, **options), want), experts
 
 
 def _dequantized_reference(store_path: Path, folder: Path):

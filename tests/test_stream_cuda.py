@@ -31,7 +31,8 @@ from tiny_models import char_tokenizer, save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "gpt2", "gpt_neox", "falcon"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2",
+            "gpt_neox", "falcon"]
 TOLERANCE = 1e-5
 EOS = 2
 

@@ -1,4 +1,5 @@
-"""On-demand MoE experts: a tiny Mixtral streams with experts on two tiers, reading only routed experts."""
+"""On-demand MoE experts: a tiny Mixtral streams with experts on two tiers, reading only routed experts (and
+so do tiny Qwen2-MoE and Qwen3-MoE, their experts on one tier)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,26 @@ def _store(tmp: Path, place: bool = True):
 @pytest.fixture(scope="module")
 def placed(tmp_path_factory):
     return _store(tmp_path_factory.mktemp("experts"))
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def family_placed(request, tmp_path_factory):
+    """Each MoE family converted with its experts placed apart: the two-tier Mixtral, the Qwen ones on one tier."""
+    if request.param == "mixtral":
+        return request.getfixturevalue("placed")
+    tmp = tmp_path_factory.mktemp(request.param)
+    reference = save_checkpoint(request.param, tmp / "ckpt")
+    convert(tmp / "ckpt", tmp / "store", progress=False)
+    store = open_store(tmp / "store")
+    place_experts(store, {"hot": "."})
+    return reference, store
+
+
+def _sizes(reference) -> tuple[int, int, int]:
+    """(blocks, experts a block, experts routed to a token) of the reference's config."""
+    config = reference.config
+    return config.num_hidden_layers, getattr(config, "num_local_experts", None) or config.num_experts, \
+        config.num_experts_per_tok
 
 
 @pytest.fixture
@@ -72,9 +93,9 @@ def test_placement_spans_both_tiers(placed):
 
 @pytest.mark.parametrize("budget, experts", [(0, "on_demand"), ("auto", "on_demand"), (0, "with_block")],
                          ids=["streamed", "resident", "with-block"])
-def test_logits_and_generate_match_transformers(placed, budget, experts):
+def test_logits_and_generate_match_transformers(family_placed, budget, experts):
     """Experts are stored apart (on their tiers only): on demand, or read back with their block."""
-    reference, store = placed
+    reference, store = family_placed
     assert not any(r.expert is not None for r in store.manifest.tensors.values())
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     with StreamingModel(store, experts=experts, max_resident_memory=budget) as model:
@@ -86,20 +107,21 @@ def test_logits_and_generate_match_transformers(placed, budget, experts):
         assert torch.equal(tokens, reference.generate(ids, max_new_tokens=6, do_sample=False))
 
 
-def test_reads_only_routed_experts(placed, file_reads):
-    reference, store = placed
+def test_reads_only_routed_experts(family_placed, file_reads):
+    reference, store = family_placed
+    layers, experts, top_k = _sizes(reference)
     ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(2))
     with StreamingModel(store, experts="on_demand", max_resident_memory=0, prefetching=False,
                         max_expert_memory=0) as model:   # none kept: every pass reads what it routes to
         routed, prefill = _routed(reference, ids)
         out = model(ids, use_cache=True)
-        assert model.experts.loads == len(file_reads) == routed <= LAYERS * ids.shape[1] * TOP_K
+        assert model.experts.loads == len(file_reads) == routed <= layers * ids.shape[1] * top_k
         step = prefill.logits[:, -1:].argmax(-1)
         routed, _ = _routed(reference, step, past_key_values=prefill.past_key_values)
         before = model.experts.loads
         model(step, past_key_values=out.past_key_values, use_cache=True)
         decoded = model.experts.loads - before
-        assert decoded == routed <= LAYERS * TOP_K < LAYERS * EXPERTS
+        assert decoded == routed <= layers * top_k < layers * experts
         assert len(file_reads) == model.experts.loads
 
 
