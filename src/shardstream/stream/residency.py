@@ -31,8 +31,8 @@ def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, devi
     loaded: on a GPU, the GPU's free memory (which counts those parts already); on the CPU, RAM,
     divided among the processes that share it (`machine_processes`). A cgroup's usage already counts
     those parts' pages; the system-wide figure counts them as reclaimable page cache, so there they
-    are subtracted. Under a 600 MiB cap on the 470 MB benchmark model this keeps 2 of 8 blocks
-    resident, decoding 1.3x faster than pure streaming.
+    are subtracted. Blocks kept resident are reads saved on every pass (docs/BENCHMARKS.md, "Stream"
+    compares it with pure streaming).
     """
     if max_resident_memory == "auto" and str(device).startswith("cuda"):
         return int(gpu_free_bytes(device) * AUTO_SHARE)
