@@ -503,3 +503,31 @@ def test_a_second_signal_stops_serve_at_once(endless, tmp_path):
         served.process.kill()
     assert served.process.returncode == 128 + signal.SIGINT
     assert "shardstream serve: SIGINT again; stopped at once" in served.log.read_text()
+
+
+def test_health_reports_what_experts_on_demand_read_and_what_their_cache_saved(tmp_path):
+    """`serve --experts on-demand`: /health counts the expert files read and the routings served from memory;
+    the same request again reads fewer (the experts it routes to were kept)."""
+    from shardstream.convert import convert
+    from tiny_models import char_tokenizer, save_checkpoint
+
+    save_checkpoint("mixtral", tmp_path / "ckpt")
+    char_tokenizer().save_pretrained(tmp_path / "ckpt")
+    store = tmp_path / "store"
+    convert(tmp_path / "ckpt", store, progress=False)
+    subprocess.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
+    served = Served(store, tmp_path / "serve.log", "--experts", "on-demand")
+    try:
+        started = httpx.get(served.url + "/health").json()["experts"]   # after the engine's warm-up pass
+        body = {"model": "store", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+        first = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+        after_one = httpx.get(served.url + "/health").json()["experts"]
+        assert after_one["loads"] == after_one["misses"] > started["loads"]
+        assert after_one["bytes_read"] > started["bytes_read"]
+        assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["choices"] == first["choices"]
+        after_two = httpx.get(served.url + "/health").json()["experts"]
+        assert after_two["hits"] > after_one["hits"]
+        assert after_two["loads"] - after_one["loads"] < after_one["loads"] - started["loads"]
+        assert 0 < after_two["hit_rate"] <= 1 and after_two["held_bytes"] <= after_two["budget_bytes"]
+    finally:
+        served.stop()

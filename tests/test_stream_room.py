@@ -150,7 +150,7 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path, 
 @needs_memcap
 def test_experts_on_demand_run_a_block_whose_experts_do_not_fit_the_cap(tmp_path):
     """A Mixtral block of 400 MB of experts under a 600 MiB cap: read with its block it is refused in one
-    sentence; read on demand its experts run in groups that fit, with the tokens of the run without a cap."""
+    sentence; read on demand its experts are read one at a time, with the tokens of the run without a cap."""
     config = AutoConfig.for_model("mixtral", hidden_size=256, intermediate_size=16384, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                                   num_experts_per_tok=2, vocab_size=128, max_position_embeddings=128)

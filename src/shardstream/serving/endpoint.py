@@ -34,11 +34,15 @@ class Endpoint:
     quiet: bool
 
     def app(self, model, tokenizer, engine):
-        """The OpenAI API over `engine`, logging a line per request unless quiet."""
+        """The OpenAI API over `engine`, logging a line per request unless quiet; with MoE experts read on
+        demand, /health also says what they read and what their cache saved."""
         from ..serving.server import create_app
 
+        experts = getattr(model, "experts", None)
+        health = (lambda: {"status": "ok", "experts": experts.report()}) if experts is not None else None
         return create_app(model, tokenizer, self.names[0], engine=engine, aliases=tuple(self.names[1:]),
-                          api_key=self.api_key, chat_template=self.template, max_request_bytes=self.max_request_bytes)
+                          api_key=self.api_key, chat_template=self.template, max_request_bytes=self.max_request_bytes,
+                          health=health)
 
     def listening(self, port: int, more: str = "") -> str:
         return (f"shardstream serve: listening on http://{self.host}:{port} (model {', '.join(self.names)}; "

@@ -111,9 +111,8 @@ class OnDemandExperts:
     """
 
     def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
-                 layers: range | None = None, half_life: float = HALF_LIFE):
-        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all. `half_life`: passes
-        of a block after which a routing counts half in the cache (0: least recently used)."""
+                 layers: range | None = None):
+        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all."""
         self.store = store
         self._device = device
         self.loads = 0
@@ -121,7 +120,7 @@ class OnDemandExperts:
         self.read_ahead = True   # the next expert's file read while one multiplies (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
         self._buffers = BufferPool()   # expert files are read into these
-        self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, half_life, self._free)
+        self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         index = load_index(store)
         placed = index.experts
         by_layer: dict[int, set[str]] = {}
@@ -178,6 +177,12 @@ class OnDemandExperts:
             return
         self.read_ahead = memory >= self.reading_bytes(ahead=True) + self.expert_bytes
         self.cache.shrink(max(0, memory - self.reading_bytes(self.read_ahead)))
+
+    def report(self) -> dict:
+        """What the experts read and what the cache saved so far (serve's /health shows it)."""
+        stats = self.cache.stats
+        return {"loads": self.loads, "bytes_read": self.bytes_read, "hits": stats.hits, "misses": stats.misses,
+                "hit_rate": round(stats.hit_rate, 4), "held_bytes": self.cache.held_bytes, "budget_bytes": self.budget}
 
     @property
     def budget(self) -> int:

@@ -240,7 +240,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         need, where = piece.nbytes, os.path.commonprefix(sorted(piece.names)).rsplit(".", 1)[0]
         experts = self.experts.reading_bytes(ahead=False) if self.experts else 0
         if experts > need:
-            need, where = experts, "one expert read on demand: its file's bytes and their conversion"
+            need, where = experts, "one expert read on demand: its file's bytes, and its weights where converted"
         available, capped = available_memory()
         if need <= available:
             return
