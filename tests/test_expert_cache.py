@@ -35,3 +35,12 @@ def test_budget_is_never_exceeded_and_shrinking_drops_the_least_scored():
     assert not cache.offer(0, 9, 9, 11)   # larger than the whole budget
     cache.clear()
     assert cache.held_bytes == 0 and len(cache) == 0
+
+
+def test_experts_a_pass_still_needs_are_not_dropped_to_make_room():
+    freed: list[int] = []
+    cache = ExpertCache(20, half_life=16, release=freed.append)
+    _run(cache, [[0, 1]] * 3)
+    cache.tick(0)
+    assert cache.get(0, 0) == 0 and cache.get(0, 1) == 1 and cache.get(0, 2) is None
+    assert not cache.offer(0, 2, 2, 10, keep=frozenset({0, 1})) and not freed

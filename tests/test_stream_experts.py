@@ -252,3 +252,31 @@ def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):
     for buffer in (read_buffer(aligned(size)), bytearray(size)):
         with pytest.raises(StoreCorrupt, match="fails its checksum"):
             expert.read_into(buffer, drop=True)
+
+
+@pytest.mark.parametrize("compression", [None, "4bit", "int4"])
+def test_experts_multiply_from_stored_bf16_or_codes_in_float32(tmp_path, compression):
+    """A bf16 store computed in float32 (the path of a CPU without bf16 instructions), plain or quantized:
+    experts on demand multiply the bf16 values or the codes as stored, so an expert held takes its file's
+    bytes, not a float32 copy; the logits are those of the same store with its experts read with their block
+    (dequantized there), within the rounding of int4's products."""
+    reference = save_checkpoint("mixtral", tmp_path / "ckpt", dtype=torch.bfloat16)
+    convert(tmp_path / "ckpt", tmp_path / "store", compression=compression, progress=False)
+    store = open_store(tmp_path / "store")
+    place_experts(store, {"hot": "."})
+    experts = reference.model.layers[0].mlp.experts
+    float32_bytes = 4 * (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel())
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with StreamingModel(store, compute_dtype="float32", max_resident_memory=0) as model:
+        want, tokens = model(ids).logits, model.generate(ids, max_new_tokens=6, do_sample=False)
+    with StreamingModel(store, experts="on_demand", compute_dtype="float32", max_resident_memory=0,
+                        max_expert_memory=None) as model:
+        got = model(ids).logits
+        if compression == "int4":   # its products round the activations to 8 bits (int4_linear.py), per row
+            assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+        else:
+            assert (got - want).abs().max().item() <= 1e-5
+            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+        held = model.experts.cache
+        assert held.held_bytes <= len(held) * model.experts.expert_bytes
+        assert model.experts.expert_bytes < float32_bytes

@@ -77,9 +77,10 @@ class ExpertCache(Generic[Held]):
         self.stats.hits += 1
         return held[0]
 
-    def offer(self, block: Hashable, expert: int, held: Held, nbytes: int) -> bool:
-        """Keep a just-read expert if it fits, dropping lower-scored experts to make room; False (the caller
-        frees it) when it does not fit or scores lower than what it would displace."""
+    def offer(self, block: Hashable, expert: int, held: Held, nbytes: int, keep: frozenset[int] = frozenset()) -> bool:
+        """Keep a just-read expert if it fits, dropping lower-scored experts (not those of `block` in `keep`: the
+        pass still needs them) to make room; False (the caller frees it) when it does not fit or scores lower
+        than what it would displace."""
         key = (block, expert)
         if key in self._held or nbytes > self.budget:
             return False
@@ -88,6 +89,8 @@ class ExpertCache(Generic[Held]):
         for other in sorted(self._held, key=self._score):
             if freed >= nbytes:
                 break
+            if other[0] == block and other[1] in keep:
+                continue
             if self._score(other) > mine:
                 return False
             victims.append(other)

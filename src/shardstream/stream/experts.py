@@ -200,8 +200,8 @@ class OnDemandExperts:
                 stays = quant_linear.packable(meta, self._device)
             else:
                 stored = TORCH_DTYPES[record["dtype"]]
-                stays = self._device.type == "cpu" and (stored == dtype or half_linear.supports(
-                    torch.empty(record["shape"], dtype=stored, device="meta"), dtype))
+                stays = self._device.type == "cpu" and (stored == dtype or (
+                    dtype == torch.float32 and stored in half_linear.FORMATS and len(record["shape"]) == 2))
             converted += 0 if stays else numel * dtype.itemsize
         return (aligned(self._file_bytes) if self._device.type == "cpu" else 0) + converted
 
@@ -214,13 +214,15 @@ class OnDemandExperts:
         out = torch.zeros_like(hidden_states)
         routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
         held = {expert: self.cache.get(layer, expert) for expert in routed}
+        pinned = frozenset(expert for expert in routed if held[expert] is not None)
         reads = _Reads(functools.partial(self._load, layer), [e for e in routed if held[e] is None],
                        self.read_ahead, self._free)
         try:
             for expert in routed:
                 loaded = held[expert] or reads.take()
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
-                if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes):
+                # experts held for this pass stay until it ends: their buffers are still to be multiplied from
+                if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
         finally:
             reads.close()
