@@ -14,7 +14,8 @@ The cache's budget is one eighth of the store's experts' bytes (`max_expert_memo
 everything else. A `--prompt`-token random prompt repeated 4 times, then `--new-tokens` greedy decode steps
 with the KV cache. Reported per decode step: bytes read (the streamed blocks without their experts, the
 experts read, and the head when streamed), the hit rate of routings served from memory, decode tok/s and its
-ratio to the floor (those bytes at the cold read speed of the same round).
+ratio to the floor (those bytes at the cold read speed of the same round), and the path the products took
+(`--mask-bf16`: as on a CPU without bf16 instructions, bf16 weights multiplied in float32).
 Run: `.venv/bin/python benchmarks/moe.py [--shape qwen3-30b-a3b] [--layers 4] [--repeat 2]` (root, for memcap).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _measure import cpu_model, markdown_table  # noqa: E402
 from real_shapes import SHAPES, write_checkpoint  # noqa: E402
-from stream import MEMCAP, bf16_flags  # noqa: E402
+from stream import MASKED_BF16, MEMCAP, bf16_flags  # noqa: E402
 
 CACHES = {"frequency": "decayed routing counts (default)", "lru": "least recently used", "none": "no cache"}
 
@@ -95,7 +97,8 @@ def run_one(store_path: Path, cache: str, args) -> dict:
     return {"load_s": load, "prefill": ids.shape[1] / prefill, "decode": steps / decode,
             "block_bytes": (model.bytes_read - blocks) // steps, "expert_bytes": (model.experts.bytes_read - experts_read) // steps,
             "head_bytes": head, "hit_rate": (stats.hits - hits) / routings if routings else 0.0,
-            "budget": model.experts.budget, "experts_total": expert_bytes, "resident": len(model.resident_blocks)}
+            "budget": model.experts.budget, "experts_total": expert_bytes, "resident": len(model.resident_blocks),
+            "compute": str(model.model.dtype).removeprefix("torch.")}
 
 
 def child(args, store: Path, cache: str) -> dict | str:
@@ -124,8 +127,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--workdir", default="artifacts/bench-moe")
+    parser.add_argument("--mask-bf16", action="store_true",
+                        help="run every child as on a CPU without bf16 instructions (benchmarks/stream.py's switch)")
     parser.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mask_bf16:
+        os.environ.update(MASKED_BF16)   # inherited by every child
     if args.run:
         print(json.dumps(run_one(Path(args.run[0]), args.run[1], args)))
         return
@@ -140,19 +147,19 @@ def main() -> None:
                 result = child(args, store, cache)
                 print(f"round {round_} {kind} {cache}: {result}", file=sys.stderr, flush=True)
                 if isinstance(result, str):
-                    rows.append([str(round_), kind, CACHES[cache], result] + [""] * 7)
+                    rows.append([str(round_), kind, CACHES[cache], result] + [""] * 8)
                     continue
                 per_token = result["block_bytes"] + result["expert_bytes"] + result["head_bytes"]
                 floor = speed / per_token
                 rows.append([str(round_), kind, CACHES[cache], f"{result['decode']:.2f}", f"{floor:.2f}",
                              f"{result['decode'] / floor:.2f}x", f"{per_token / 1e6:.0f} ({result['expert_bytes'] / 1e6:.0f})",
                              f"{result['hit_rate']:.1%}", f"{result['budget'] >> 20} / {result['experts_total'] >> 20}",
-                             f"{speed / 1e9:.2f}", result["peak"]])
+                             f"{speed / 1e9:.2f}", result["peak"], result["compute"]])
     print(f"{args.shape} shape, {args.layers} blocks, random weights, under memcap {args.cap} (cold); a {args.prompt}-token "
           f"prompt repeated 4 times, {args.new_tokens} greedy decode steps; {cpu_model()}.\n")
     print(markdown_table(["round", "store", "expert cache", "decode tok/s", "floor tok/s", "/ floor",
                           "MB read a step (of which experts)", "routings served from memory",
-                          "cache budget / experts MiB", "cold read GB/s", "cgroup peak"], rows))
+                          "cache budget / experts MiB", "cold read GB/s", "cgroup peak", "computes in"], rows))
 
 
 def child_speed(store: Path, args) -> float:

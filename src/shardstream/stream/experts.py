@@ -46,6 +46,9 @@ GATE, UP, DOWN = "gate", "up", "down"
 # An expert's weight keeps half its score after this many passes of its block without a routing to it
 # (expert_cache.py; docs/BENCHMARKS.md, "Stream: MoE under a cap", compares it with LRU).
 HALF_LIFE = 16
+# Bytes of small experts read ahead while one multiplies, and at most this many of them.
+READ_AHEAD_BYTES = 64 << 20
+MAX_DEPTH = 8
 
 
 class ExpertlessLoader(BlockLoader):
@@ -163,9 +166,14 @@ class OnDemandExperts:
 
     def reading_bytes(self, ahead: bool) -> int:
         """Memory the reading takes beside the experts held: the buffer of the expert being multiplied (and of
-        the next one, read `ahead`), and what its weights take converted where the products cannot read them
-        as stored."""
-        return (2 if ahead else 1) * self.expert_bytes
+        those read `ahead`), and what its weights take converted where the products cannot read them as
+        stored."""
+        return (1 + self.depth(ahead)) * self.expert_bytes
+
+    def depth(self, ahead: bool) -> int:
+        """Experts read ahead while one multiplies: one, or as many small ones as READ_AHEAD_BYTES holds (a
+        small expert's read is short, and one at a time leaves the disk waiting between them)."""
+        return 0 if not ahead else max(1, min(MAX_DEPTH, READ_AHEAD_BYTES // max(self.expert_bytes, 1)))
 
     def fit(self, memory: int, auto: bool) -> None:
         """Size the budget of experts held: `memory` bytes of them (not `auto`), reading ahead; or, `auto`,
@@ -216,7 +224,7 @@ class OnDemandExperts:
         held = {expert: self.cache.get(layer, expert) for expert in routed}
         pinned = frozenset(expert for expert in routed if held[expert] is not None)
         reads = _Reads(functools.partial(self._load, layer), [e for e in routed if held[e] is None],
-                       self.read_ahead, self._free)
+                       self.depth(self.read_ahead), self._free)
         try:
             for expert in routed:
                 loaded = held[expert] or reads.take()
@@ -275,35 +283,38 @@ class OnDemandExperts:
 
 
 class _Reads:
-    """The experts of a pass that are not held, read in order on a thread: the first at once, each next one
-    while the one before multiplies (`ahead`) or once it is done with."""
+    """The experts of a pass that are not held, read in order: the first at once, and `depth` more while one
+    multiplies (0: each next one once the one before is done with); two threads when several are in flight,
+    so that the disk has more than one request to serve."""
 
-    def __init__(self, load: Callable[[int], _Loaded], experts: list[int], ahead: bool,
+    def __init__(self, load: Callable[[int], _Loaded], experts: list[int], depth: int,
                  free: Callable[[_Loaded], None]):
-        self._load, self._todo, self._ahead, self._free = load, deque(experts), ahead, free
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="experts") if experts else None
-        self._next: Future | None = self._submit()
+        self._load, self._todo, self._depth, self._free = load, deque(experts), depth, free
+        threads = 2 if depth > 1 else 1
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="experts") if experts else None
+        self._pending: deque[Future] = deque()
+        self._top_up(1 + depth)
 
-    def _submit(self) -> Future | None:
-        return self._thread.submit(self._load, self._todo.popleft()) if self._todo else None
+    def _top_up(self, in_flight: int) -> None:
+        while self._todo and len(self._pending) < in_flight:
+            self._pending.append(self._threads.submit(self._load, self._todo.popleft()))
 
     def take(self) -> _Loaded:
-        if self._next is None:
-            self._next = self._submit()
-        loaded = self._next.result()
-        self._next = self._submit() if self._ahead else None
+        self._top_up(1)
+        loaded = self._pending.popleft().result()
+        self._top_up(self._depth)
         return loaded
 
     def close(self) -> None:
-        """Wait for a read still in flight (a pass that failed) and free what it read."""
-        if self._thread is None:
+        """Wait for reads still in flight (a pass that failed) and free what they read."""
+        if self._threads is None:
             return
-        if self._next is not None:
+        for pending in self._pending:
             try:
-                self._free(self._next.result())
+                self._free(pending.result())
             except BaseException:
                 pass   # the pass's own error is the one to report
-        self._thread.shutdown()
+        self._threads.shutdown()
 
 
 def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
