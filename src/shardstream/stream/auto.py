@@ -10,7 +10,7 @@ import torch
 from ..errors import InvalidOption
 from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
-from .compute_dtype import parse_compute_dtype
+from .engine_options import EngineOptions
 from .model import StreamingModel
 from .resolve import ensure_store
 
@@ -47,6 +47,7 @@ class AutoModel:
         load_resident: bool = True,
         tensor_parallel: bool = False,
         tp_cache: str | os.PathLike | None = None,
+        options: EngineOptions | None = None,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -75,32 +76,33 @@ class AutoModel:
         multiplies it fast, else float32 math on the weights held as stored (compute_dtype.py,
         half_linear.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
         (AirLLM's name) is the same option and wins when given.
+        `options`: the engine's options (compute dtype to profiling above) as one EngineOptions value, given
+        instead of one by one.
         """
         token = hub_token(token, hf_token)
         refuse_training_switches(install_hooks, load_resident)
-        if max_seq_len is not None and max_seq_len < 1:
-            raise InvalidOption(f"max_seq_len must be at least 1, not {max_seq_len}.")
-        compute_dtype = compute_dtype if dtype is None else dtype
-        parse_compute_dtype(compute_dtype)   # a mistyped option before any conversion
+        # every engine option checked once, before any conversion
+        given = EngineOptions(compute_dtype=compute_dtype if dtype is None else dtype, prefetching=prefetching,
+                                prefetch_depth=prefetch_depth, max_resident_memory=max_resident_memory,
+                                max_host_memory=max_host_memory, max_expert_memory=max_expert_memory,
+                                piece_bytes=piece_bytes, verify_checksums=verify_checksums, experts=experts,
+                                max_seq_len=max_seq_len, profiling_mode=profiling_mode)
+        if options is not None and given != EngineOptions():
+            raise InvalidOption("give the engine's options as `options` or one by one, not both.")
+        options = options or given
 
         def open_store() -> Store:
             return ensure_store(
                 pretrained_model_name_or_path, layer_shards_saving_path,
                 sequential_shard_processing=sequential_shard_processing, compression=compression,
-                delete_original=delete_original, profiling_mode=profiling_mode,
+                delete_original=delete_original, profiling_mode=options.profiling_mode,
                 token=token, revision=revision, progress=progress,
             )
 
-        streaming = dict(prefetching=prefetching, prefetch_depth=prefetch_depth,
-                         max_resident_memory=max_resident_memory, profiling_mode=profiling_mode,
-                         verify_checksums=verify_checksums, compute_dtype=compute_dtype, piece_bytes=piece_bytes,
-                         max_host_memory=max_host_memory, max_seq_len=max_seq_len)
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel
 
-            if experts != "with_block":
-                raise InvalidOption(f"experts={experts!r} cannot be combined with tensor_parallel=True; leave it out.")
-            return open_tensor_parallel(open_store, device, tp_cache=tp_cache, **streaming)
+            return open_tensor_parallel(open_store, device, options, tp_cache=tp_cache)
         if tp_cache is not None:
             raise InvalidOption("tp_cache goes with tensor_parallel=True; leave it out.")
-        return StreamingModel(open_store(), device=device, experts=experts, max_expert_memory=max_expert_memory, **streaming)
+        return StreamingModel(open_store(), options, device=device)

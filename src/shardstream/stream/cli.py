@@ -21,6 +21,7 @@ from ..options import compression, size
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
+    from .engine_options import EngineOptions
     from .model import StreamingModel
 
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
@@ -65,12 +66,12 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                max_host_memory: str = "auto", converting: Converting | None = None,
                compute_dtype: str = "auto", experts: str = "with-block", role: str = "") -> StreamingModel:
     """Validate the options first (cheap), then load or convert the model (with `converting`'s
-    options, which mean what they mean to `shardstream convert`), within `memory_policy`'s memory
-    for `batch_size` sequences at once. `role` ("draft") names the model in the lines it prints."""
+    options, which mean what they mean to `shardstream convert`), with the engine options the command's
+    give for `batch_size` sequences at once (`command_options`). `role` ("draft") names the model in the
+    lines it prints."""
     check_device(device)
-    if experts not in EXPERT_OPTIONS:
-        raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
-    memory = memory_policy(max_resident_memory, max_host_memory, device, batch_size, experts)
+    options = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts, profile,
+                              batch_size)
     from .auto import AutoModel
 
     converting = converting or Converting()
@@ -79,25 +80,24 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
                                          sequential_shard_processing=converting.sequential,
                                          compression=compression(converting.compression),
                                          token=converting.hf_token, revision=converting.revision,
-                                         profiling_mode=profile, progress=progress, compute_dtype=compute_dtype,
-                                         experts=EXPERT_OPTIONS[experts], **memory)
+                                         progress=progress, options=options)
 
 
-def memory_policy(max_resident_memory: str, max_host_memory: str, device: str, batch_size: int = 1,
-                  experts: str = "with-block") -> dict[str, int | str | None]:
-    """from_pretrained's memory options for a model that runs `batch_size` sequences at once, from the
-    command's: one process's, or one tensor-parallel rank's (whose `auto` is its share of the machine,
-    residency.resolve_budget). For batches of more than one sequence, `auto` residency, experts held on
-    demand and the pieces leave memory to the KV caches (residency.py, pieces.py)."""
-    from .pieces import BATCH_PIECE_BYTES
-    from .residency import batch_resident_budget
+def command_options(max_resident_memory: str, max_host_memory: str, device: str, compute_dtype: str = "auto",
+                    experts: str = "with-block", profile: bool = False, batch_size: int = 1) -> EngineOptions:
+    """The engine options of a command's --max-resident-memory, --max-host-memory, --compute-dtype and
+    --experts, for a model that runs `batch_size` sequences at once (EngineOptions.for_batch): one
+    process's, or one tensor-parallel rank's (whose `auto` is its share of the machine,
+    residency.resolve_budget)."""
+    from .compute_dtype import parse_compute_dtype
+    from .engine_options import EngineOptions
 
-    budget, host = memory_options(batch_resident_budget(max_resident_memory, batch_size, device), max_host_memory, device)
-    # experts held between passes are bytes the KV caches of a batch do not get, as resident blocks are
-    held_experts = ("auto" if experts == "with-block" or batch_size == 1
-                    else int(batch_resident_budget("auto", batch_size, device)))
-    return {"max_resident_memory": budget, "max_host_memory": host, "max_expert_memory": held_experts,
-            "piece_bytes": BATCH_PIECE_BYTES if batch_size > 1 else None}
+    if experts not in EXPERT_OPTIONS:
+        raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
+    parse_compute_dtype(compute_dtype, "--compute-dtype")
+    budget, host = memory_options(max_resident_memory, max_host_memory, device)
+    return EngineOptions(compute_dtype=compute_dtype, max_resident_memory=budget, max_host_memory=host,
+                         experts=EXPERT_OPTIONS[experts], profiling_mode=profile).for_batch(batch_size, device)
 
 
 def refuse_experts_with_tp(experts: str) -> None:

@@ -41,7 +41,6 @@ from .linear import weight_linear
 from .loader import BlockLoader
 from .weights import WeightMapper
 
-EXPERT_MODES = ("with_block", "on_demand")
 GATE, UP, DOWN = "gate", "up", "down"
 # An expert's weight keeps half its score after this many passes of its block without a routing to it
 # (expert_cache.py; docs/BENCHMARKS.md, "Stream: MoE under a cap", compares it with LRU).

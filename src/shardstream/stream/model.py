@@ -26,11 +26,11 @@ from ..serving.text import check_context
 from ..store import Store
 from .attention import attention_kernels
 from .blocks import StreamedBlocks, fill_block
-from .compute_dtype import parse_compute_dtype
 from .direct import block_reading
 from .ends import Ends
 from .habits import TransformersHabits
-from .experts import EXPERT_MODES, ExpertlessLoader, OnDemandExperts
+from .engine_options import EngineOptions, engine_options
+from .experts import ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
@@ -64,54 +64,41 @@ class StreamingModel(TransformersHabits, WrapsModel):
     longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
 
-    def __init__(self, store: Store, *, device: str | torch.device = "cpu", prefetching: bool = True,
-                 prefetch_depth: int | str = "auto", max_resident_memory: int | str | None = "auto",
-                 profiling_mode: bool = False, verify_checksums: bool = True,
-                 compute_dtype: str | torch.dtype | None = "auto",
-                 experts: str = "with_block", piece_bytes: int | None = None,
-                 max_host_memory: int | str | None = "auto", max_seq_len: int | None = None,
-                 max_expert_memory: int | str | None = "auto",
-                 shape_model: Callable[[torch.nn.Module], None] | None = None):
-        if prefetch_depth != "auto" and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-                                         or prefetch_depth < 1):
-            raise InvalidOption(f"prefetch_depth must be 'auto' or a number of pieces >= 1, not {prefetch_depth!r}.")
-        if experts not in EXPERT_MODES:
-            raise InvalidOption(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}.")
-        if max_expert_memory != "auto":
-            if experts != "on_demand":
-                raise InvalidOption("max_expert_memory applies only with experts='on_demand'; leave it out.")
-            resolve_expert_budget(max_expert_memory, "cpu", 0)   # a bad value is refused before anything is read
-        parse_compute_dtype(compute_dtype)
+    def __init__(self, store: Store, options: EngineOptions | None = None, *, device: str | torch.device = "cpu",
+                 shape_model: Callable[[torch.nn.Module], None] | None = None, **engine):
+        """`options`: the engine's options as one value, or given one by one (`engine`: EngineOptions' fields)."""
+        options = engine_options(options, engine)
+        self.options = options
         _check_files(store)
         self.store = store
         self.closed = False
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = options.max_seq_len
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidOption("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'.")
-        self.profiling_mode = profiling_mode
+        self.profiling_mode = options.profiling_mode
         self.profile = Profile()
-        self.model = build_meta_model(store, compute_dtype, self.device)
+        self.model = build_meta_model(store, options.compute_dtype, self.device)
         self._checkpoint_element = checkpoint_dtype(store).itemsize   # blocks are cut by it (pieces.split_block)
         if shape_model is not None:
             shape_model(self.model)
         self._buffers_to_device()
         mapper = WeightMapper(self.model)
         check_stored_shapes(store, self.model, mapper)
-        self.experts = OnDemandExperts(store, self.model, mapper, self.device) if experts == "on_demand" else None
-        self._loader = (ExpertlessLoader(store, mapper, self.device, verify_checksums, self.experts.checkpoint_names)
-                        if self.experts else BlockLoader(store, mapper, self.device, verify_checksums))
+        self.experts = OnDemandExperts(store, self.model, mapper, self.device) if options.experts == "on_demand" else None
+        self._loader = (ExpertlessLoader(store, mapper, self.device, options.verify_checksums, self.experts.checkpoint_names)
+                        if self.experts else BlockLoader(store, mapper, self.device, options.verify_checksums))
         prefixes = self._block_prefixes(mapper)
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
-        self._loader.host_budget = resolve_host_budget(max_host_memory, self.device)
+        self._loader.host_budget = resolve_host_budget(options.max_host_memory, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model))
         blocks = [self.model.get_submodule(p) for p in prefixes]
-        pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, piece_bytes, prefetch_depth)
+        pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options.piece_bytes, options.prefetch_depth)
         sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
-        in_flight = prefetch_depth + 1 if prefetching else 1
+        in_flight = prefetch_depth + 1 if options.prefetching else 1
         streaming = working_set(pieces, in_flight)
         self._ends = Ends(store, self.model, mapper, self.device)
         head_buffers = self._loader.piece_buffer_bytes()
@@ -122,7 +109,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             ends = self._ends.names
             fixed = (self._resident_slots.nbytes - self._ends.slot_bytes
                      - self._loader.packing_saves(self._resident_slots.names - ends, resident=True))
-            budget = resolve_budget(max_resident_memory, fixed, self.device)
+            budget = resolve_budget(options.max_resident_memory, fixed, self.device)
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, prefixes, place)
@@ -130,7 +117,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         # resident head can leave the blocks no room in the page cache
         if self._loader.reading == "mapped":
             self._loader.reading = block_reading(store, copy_free=self.device.type == "cuda")
-        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, verify_checksums)
+        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, options.verify_checksums)
         self.resident_budget = budget   # what the resident blocks were chosen within, the ends placed
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
@@ -141,14 +128,14 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
-            self.experts.fit(resolve_expert_budget(max_expert_memory, self.device, self.stream_working_set),
-                             auto=max_expert_memory == "auto")
+            self.experts.fit(resolve_expert_budget(options.max_expert_memory, self.device, self.stream_working_set),
+                             auto=options.max_expert_memory == "auto")
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True)]
         piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
-                                         prefetch_depth if prefetching else None, self._released, self._settle,
+                                         prefetch_depth if options.prefetching else None, self._released, self._settle,
                                          self.pieces, self._loader.held, lambda: self._loader.copies_only(piece_keys))
 
     # -- construction ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, devi
     if max_resident_memory == "auto":
         available, capped = available_memory()
         return max(0, int(available * AUTO_SHARE) // machine_processes() - (0 if capped else fixed_bytes))
-    return _bytes_option("max_resident_memory", max_resident_memory)
+    return bytes_option("max_resident_memory", max_resident_memory)
 
 
 def machine_processes() -> int:
@@ -59,7 +59,7 @@ def resolve_host_budget(max_host_memory: int | str | None, device: torch.device 
         return 0
     if max_host_memory == "auto":
         return int(available_memory()[0] * HOST_SHARE)
-    return _bytes_option("max_host_memory", max_host_memory)
+    return bytes_option("max_host_memory", max_host_memory)
 
 
 def resolve_expert_budget(max_expert_memory: int | str | None, device: torch.device | str, streaming_bytes: int) -> int:
@@ -68,13 +68,13 @@ def resolve_expert_budget(max_expert_memory: int | str | None, device: torch.dev
     `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on a
     GPU, of the GPU's free memory."""
     if max_expert_memory != "auto":
-        return _bytes_option("max_expert_memory", max_expert_memory)
+        return bytes_option("max_expert_memory", max_expert_memory)
     if str(device).startswith("cuda"):
         return int(gpu_free_bytes(device) * AUTO_SHARE)
     return max(0, int((available_memory()[0] - streaming_bytes) * AUTO_SHARE))
 
 
-def _bytes_option(name: str, value: int | str | None) -> int:
+def bytes_option(name: str, value: int | str | None) -> int:
     """A memory option given as bytes >= 0, or None: no limit."""
     if value is None:
         return sys.maxsize
@@ -103,10 +103,8 @@ def choose_resident(block_bytes: list[int], budget: int, streaming_bytes: int = 
 def batch_resident_budget(max_resident_memory: str, batch_size: int, device: torch.device | str | None = None) -> str:
     """`auto` for a batch (serve, offline) keeps blocks resident out of BATCH_RESIDENT_SHARE of what it
     would alone: a resident block saves one block read per pass, while the same bytes of KV cache let
-    more requests share every pass, and a full batch is bound by compute, not reads (under a 600 MiB
-    cap on the reference model, half of `auto` kept 3 blocks: 147 MiB, the KV caches of 24 requests of
-    49 tokens, and held 32 concurrent requests to 30 (fp32) and 21 (4-bit, whose resident blocks are
-    then fp32 in memory but saved only a 6.5 MB read each; they now stay packed, quant_linear.py); a quarter keeps 1)."""
+    more requests share every pass, and a full batch is bound by compute, not reads (docs/BENCHMARKS.md,
+    "Many tokens per weight read", has the shares tried)."""
     if max_resident_memory != "auto" or batch_size == 1:
         return max_resident_memory
     return str(int(resolve_budget("auto", 0, device) * BATCH_RESIDENT_SHARE))

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import InvalidOption
 from ..options import compression
 from ..stream.cli import Converting
+
+if TYPE_CHECKING:
+    from ..stream.engine_options import EngineOptions
 
 
 def refuse_unsupported(unsupported: list[str]) -> None:
@@ -15,9 +20,9 @@ def refuse_unsupported(unsupported: list[str]) -> None:
                             f"{'it' if len(unsupported) == 1 else 'them'} out.")
 
 
-def open_rank(source: str, store_path: str | None, device: str, compute_dtype: str, converting: Converting,
-              progress: bool, memory: dict[str, int | str | None], tp_cache: str | None = None):
-    """This rank's model, streaming its shares within `memory` (stream/cli.py memory_policy: what one process
+def open_rank(source: str, store_path: str | None, device: str, converting: Converting, progress: bool,
+              options: EngineOptions, tp_cache: str | None = None):
+    """This rank's model, streaming its shares with `options` (stream/cli.py command_options: what one process
     would take, for the same batches, out of the rank's share of the machine); a checkpoint is converted
     first with `converting`'s options (once per machine)."""
     from ..stream.auto import AutoModel
@@ -25,8 +30,8 @@ def open_rank(source: str, store_path: str | None, device: str, compute_dtype: s
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      sequential_shard_processing=converting.sequential,
                                      compression=compression(converting.compression), token=converting.hf_token,
-                                     revision=converting.revision, compute_dtype=compute_dtype,
-                                     progress=progress, tensor_parallel=True, tp_cache=tp_cache, **memory)
+                                     revision=converting.revision, progress=progress, tensor_parallel=True,
+                                     tp_cache=tp_cache, options=options)
 
 
 def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
@@ -39,18 +44,15 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
     refuse_unsupported(unsupported)
     if prompt is None:
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
-    from ..stream.compute_dtype import parse_compute_dtype
-
-    parse_compute_dtype(compute_dtype, "--compute-dtype")
     import torch.distributed as dist
 
-    from ..stream.cli import check_device, memory_policy
+    from ..stream.cli import check_device, command_options
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     check_device(device)
-    memory = memory_policy(max_resident_memory, max_host_memory, device)   # one sequence: generate's own
-    with open_rank(source, store_path, device, compute_dtype, converting, progress, memory, tp_cache) as model:
+    engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
+    with open_rank(source, store_path, device, converting, progress, engine, tp_cache) as model:
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)

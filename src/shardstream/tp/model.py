@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import InvalidOption
 from ..store.reader import Store
+from ..stream.engine_options import EngineOptions, engine_options
 from ..stream.habits import TransformersHabits
 from ..stream.meta import WrapsModel, build_meta_model
 from ..stream.model import StreamingModel
@@ -43,14 +44,14 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
     this rank's shares; `tp_cache`: the folder the rank writes its shares to when the store has no
     export for this many ranks (default `<store>/tp`)."""
 
-    def __init__(self, store: Store, *, device: str | torch.device = "cpu",
-                 compute_dtype: str | torch.dtype | None = "auto", tp_cache: str | os.PathLike | None = None,
-                 **streaming):
+    def __init__(self, store: Store, options: EngineOptions | None = None, *, device: str | torch.device = "cpu",
+                 tp_cache: str | os.PathLike | None = None, **engine):
+        options = _with_whole_experts(engine_options(options, engine))
         self.device = join_group(device)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         exported = check_same_store(store, self.size)
         self.store = store
-        layout = rank_layout(store, build_meta_model(store, compute_dtype, self.device), self.rank, self.size)
+        layout = rank_layout(store, build_meta_model(store, options.compute_dtype, self.device), self.rank, self.size)
         view = exported_view(store, layout, self.rank, self.size) if exported else None
         self.share_bytes_read = 0   # read from the store's files to write the rank's own (rankstore.py)
         if view is None:
@@ -64,8 +65,7 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
             # MoE: this rank's whole experts, the picks of the others sent nowhere (experts.py)
             self._hooks += RankExperts(model, WeightMapper(model), store, self.rank, self.size).localize()
 
-        self._streaming = StreamingModel(view, device=self.device, compute_dtype=compute_dtype, shape_model=split,
-                                         **streaming)
+        self._streaming = StreamingModel(view, options, device=self.device, shape_model=split)
         self.model = self._streaming.model
         self._hooks += _add_collectives(self.model, layout.roles, self.rank, self.size)
 
@@ -239,7 +239,16 @@ def _vocabulary_lookup(start: int, stop: int) -> tuple[Callable, Callable]:
     return local_ids, summed
 
 
-def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device, **options) -> TensorParallelModel:
+def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device, options: EngineOptions,
+                         tp_cache: str | os.PathLike | None = None) -> TensorParallelModel:
     """Join the group, open (or convert) the store once per machine, then build this rank's model."""
+    _with_whole_experts(options)   # refused before the group is joined
     join_group(device)
-    return TensorParallelModel(each_machine_once(open_store), device=device, **options)
+    return TensorParallelModel(each_machine_once(open_store), options, device=device, tp_cache=tp_cache)
+
+
+def _with_whole_experts(options: EngineOptions) -> EngineOptions:
+    """`options`, for a rank: it holds whole experts with their blocks (experts.py), none read on demand."""
+    if options.experts != "with_block":
+        raise InvalidOption(f"experts={options.experts!r} cannot be combined with tensor_parallel=True; leave it out.")
+    return options

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
-from ..stream.cli import Converting, check_device, memory_options, memory_policy
+from ..stream.cli import Converting, check_device, command_options
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .cli import open_rank
 from .group import check_torchrun, join_group
@@ -35,20 +35,18 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, s
              converting: Converting, progress: bool, timeout_s: float, max_resident_memory: str,
              max_host_memory: str, tp_cache: str | None) -> None:
     """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked); each rank
-    streams its shares within the memory serve's one process takes for the same batches (memory_policy), out
-    of the rank's share of the machine."""
-    from ..stream.compute_dtype import parse_compute_dtype
-
-    parse_compute_dtype(compute_dtype, "--compute-dtype")
+    streams its shares within the memory serve's one process takes for the same batches (command_options),
+    out of the rank's share of the machine."""
     check_device(device)
-    memory_options(max_resident_memory, max_host_memory, device)   # refused before the ranks join
+    command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # refused before the ranks join
     check_torchrun()
 
     def open_model():
         rank_device = join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
         # `auto` measured on the rank's own device, as it opens
-        memory = memory_policy(max_resident_memory, max_host_memory, str(rank_device), endpoint.max_batch_size)
-        model = open_rank(source, store_path, device, compute_dtype, converting, progress, memory, tp_cache)
+        options = command_options(max_resident_memory, max_host_memory, str(rank_device), compute_dtype,
+                                  batch_size=endpoint.max_batch_size)
+        model = open_rank(source, store_path, device, converting, progress, options, tp_cache)
         say_resident(model, f"rank {dist.get_rank()} of {dist.get_world_size()}")
         return model
 
