@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -122,6 +123,7 @@ class OnDemandExperts:
         self.read_ahead = True   # the next expert's file read while one multiplies (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
         self._buffers = BufferPool()   # expert files are read into these
+        self._counting = threading.Lock()
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         index = load_index(store)
         placed = index.experts
@@ -215,7 +217,7 @@ class OnDemandExperts:
     def _forward(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward over the experts routed to, in expert order, each from the cache or
-        read (the next missing one read while one multiplies)."""
+        read (those not held read ahead while one multiplies: `_Reads`)."""
         block = self._blocks[layer]
         self.cache.tick(layer)
         out = torch.zeros_like(hidden_states)
@@ -246,8 +248,9 @@ class OnDemandExperts:
         except BaseException:
             self._give(buffer)
             raise
-        self.loads += 1
-        self.bytes_read += placed.index.files[placed.record.file].size
+        with self._counting:   # reads run on two threads
+            self.loads += 1
+            self.bytes_read += placed.index.files[placed.record.file].size
         block = self._blocks[layer]
         weights = {block.roles[name]: self._placed(tensor, block.dtype) for name, tensor in tensors.items()}
         parts = [part for weight in weights.values() for part in quant.held_by(weight)]
