@@ -105,7 +105,7 @@ def model_child(store: Path, prefill_tokens: int, new_tokens: int) -> dict:
     """Decode and prefill speed of one store held in memory, in this process."""
     import torch
 
-    from shardstream.stream import AutoModel
+    from shardstream import AutoModel
 
     vocab = 128256
     with AutoModel.from_pretrained(store, max_resident_memory=None) as model, torch.no_grad():
@@ -189,7 +189,8 @@ def quantized_run(ckpt: Path, store: Path, method: str, ids, kernel_on: bool) ->
 
     from shardstream.convert import convert
     from shardstream.store import open_store
-    from shardstream.stream import AutoModel, int4_linear
+    from shardstream import AutoModel
+    from shardstream.stream import int4_linear
     from shardstream.switches import INT4_KERNEL
 
     if not (store / "manifest.json").exists():

@@ -110,7 +110,7 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
 
     if mode.split("-")[0] in ("stream", "resident"):  # "-mapped": through the page cache kept; "-direct": O_DIRECT;
         # "-dropped": ordinary reads dropped from the page cache
-        from shardstream.stream import AutoModel
+        from shardstream import AutoModel
 
         if mode.endswith("-mapped"):
             os.environ["SHARDSTREAM_DIRECT_IO"] = "off"

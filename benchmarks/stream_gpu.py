@@ -197,7 +197,7 @@ def open_backend(mode: str, ckpt: Path, store: Path, store4: Path, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mode.startswith("stream") or mode == "resident":
-        from shardstream.stream import AutoModel
+        from shardstream import AutoModel
 
         if mode == "stream-readers":
             os.environ["SHARDSTREAM_COPY_AHEAD"] = "0"

@@ -154,7 +154,7 @@ def run_rank(args, store: Path) -> dict:
     import torch
 
     from shardstream.errors import ShardstreamError
-    from shardstream.stream import AutoModel
+    from shardstream import AutoModel
 
     torch.set_num_threads(1)
     clock = CollectiveClock()
@@ -175,7 +175,7 @@ def run_single(args, store: Path) -> dict:
     """The one process: shardstream's defaults (a resident budget from the cap; the rest streams)."""
     import torch
 
-    from shardstream.stream import AutoModel
+    from shardstream import AutoModel
 
     torch.set_num_threads(1)
     model = AutoModel.from_pretrained(store, progress=False, **resident_option(args))

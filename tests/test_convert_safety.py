@@ -21,7 +21,7 @@ from tiny_models import save_checkpoint
 
 from shardstream.convert import ConvertReport, convert
 from shardstream.errors import CorruptShard, InvalidOption, SourceNotFound, SourceUnreachable
-from shardstream.stream.resolve import default_store_path, ensure_store
+from shardstream.front.resolve import default_store_path, ensure_store
 from shardstream.switches import CACHE
 
 CLI = [sys.executable, "-m", "shardstream.cli"]

@@ -123,7 +123,8 @@ import logging, os, sys, torch
 logging.basicConfig(level=logging.INFO, format='%(message)s')
 {setup}
 from shardstream import quant
-from shardstream.stream import AutoModel, quant_linear
+from shardstream import AutoModel
+from shardstream.stream import quant_linear
 print("lazy" if "shardstream.stream.quant_triton" not in sys.modules else "imported")
 from shardstream.stream import quant_triton
 meta, cuda = quant.quantize(torch.randn(16, 64), "4bit", 64).meta, torch.device("cuda")

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from shardstream.errors import InvalidOption, OutputMismatch
-from shardstream.stream.generate_cli import generate_command
+from shardstream.front.generate_cli import generate_command
 from shardstream.serving.offline import Prompt, length_order, read_prompts, resume
 from tiny_models import llama_store_with_tokenizer
 

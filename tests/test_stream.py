@@ -18,7 +18,8 @@ from shardstream.cli import app
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
 from shardstream.store import load_manifest, open_store
-from shardstream.stream import AutoModel, StreamingModel
+from shardstream import AutoModel
+from shardstream.stream import StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
 from shardstream.stream.profile import Profile

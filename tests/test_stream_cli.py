@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardstream.errors import InvalidOption
-from shardstream.stream.generate_cli import generate_command
+from shardstream.front.generate_cli import generate_command
 from test_data_cli import _default_sigint
 from tiny_models import endless_llama_store, llama_store_with_tokenizer
 

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.serving import admission
-from shardstream.stream import AutoModel, compute_dtype, loader, quant_linear
+from shardstream import AutoModel
+from shardstream.stream import compute_dtype, loader, quant_linear
 from shardstream.serving.admission import MIN_PREFILL_CHUNK, Shape, kv_peak, prefill_chunk
 from shardstream.switches import CPU_FLAGS
 from counting import linear_dequantizations

@@ -22,7 +22,8 @@ from shardstream.memory import gpu_free_bytes
 from shardstream.quant import QuantizedTensor
 from shardstream.shard import place_experts
 from shardstream.store import open_store
-from shardstream.stream import AutoModel, StreamingModel, quant_linear
+from shardstream import AutoModel
+from shardstream.stream import StreamingModel, quant_linear
 from shardstream.serving.admission import room
 from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
 from shardstream.stream.prefetch import CopyAhead

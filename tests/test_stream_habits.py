@@ -14,7 +14,7 @@ import torch
 
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption
-from shardstream.stream import AutoModel
+from shardstream import AutoModel
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 

@@ -17,7 +17,8 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption
 from shardstream.options import compression
 from shardstream.store import open_store
-from shardstream.stream import AutoModel, StreamingModel, int4_linear, quant_linear, quant_triton
+from shardstream import AutoModel
+from shardstream.stream import StreamingModel, int4_linear, quant_linear, quant_triton
 from shardstream.tp.layout import Take
 from shardstream.tp.reading import ShareReader
 from shardstream.switches import INT4_KERNEL

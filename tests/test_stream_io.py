@@ -16,7 +16,7 @@ import torch
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.store import open_store
-from shardstream.stream import AutoModel
+from shardstream import AutoModel
 from shardstream.stream import direct
 from shardstream.stream.direct import block_reading, read_buffer
 from shardstream.switches import DIRECT_IO

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardstream.convert import convert
-from shardstream.stream import AutoModel, linear
+from shardstream import AutoModel
+from shardstream.stream import linear
 from shardstream.stream.linear import FewRowsLinear, use_streaming_layers
 from tiny_models import save_checkpoint
 

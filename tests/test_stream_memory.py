@@ -32,7 +32,7 @@ SLACK = 40 * 2**20  # KV cache, activations, allocator and thread overhead
 PROBE = textwrap.dedent(r"""
     import json, re, sys
     import psutil, torch
-    from shardstream.stream import AutoModel
+    from shardstream import AutoModel
     model = AutoModel.from_pretrained(sys.argv[1], max_resident_memory=0, piece_bytes=json.loads(sys.argv[2]))
     baseline = psutil.Process().memory_info().rss
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM), inherited from the forking parent

@@ -207,7 +207,7 @@ def test_consecutive_modules_of_one_parent_share_a_piece(tmp_path, monkeypatch, 
 def test_a_batch_engines_model_streams_smaller_pieces(tmp_path, monkeypatch):
     """`serve` and `generate --prompts-file` open the model through `open_model(batch_size=N)`: for N > 1
     its pieces are cut at BATCH_PIECE_BYTES (memory for the KV caches), for one sequence at PIECE_BYTES."""
-    from shardstream.stream.cli import open_model
+    from shardstream.front.cli import open_model
 
     _, store = _store(tmp_path)
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 40)

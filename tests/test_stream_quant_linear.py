@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from shardstream import quant
 from shardstream.convert import convert
-from shardstream.stream import AutoModel, quant_linear
+from shardstream import AutoModel
+from shardstream.stream import quant_linear
 from shardstream.store import open_store
 from shardstream.native import find_compiler
 from shardstream.switches import QUANT_KERNEL

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
 from shardstream.errors import ShardstreamError
-from shardstream.stream.generate_cli import generate_command
+from shardstream.front.generate_cli import generate_command
 from shardstream.stream.mapped import release_unviewed
 from tiny_models import char_tokenizer, llama_store_with_tokenizer, save_checkpoint
 
@@ -60,7 +60,7 @@ def test_pages_no_tensor_views_are_released_and_read_back_when_touched(tmp_path)
 
 def _store_pages_after_load(store: Path, **options) -> int:
     """Bytes of the store's files mapped in a process that loaded it (its mappings' Rss in /proc/self/smaps)."""
-    script = ("import re, pathlib, sys; from shardstream.stream import AutoModel; "
+    script = ("import re, pathlib, sys; from shardstream import AutoModel; "
               f"m = AutoModel.from_pretrained(sys.argv[1], **{options!r}); "
               "blocks = re.split(r'\\n(?=[0-9a-f]+-[0-9a-f]+ )', pathlib.Path('/proc/self/smaps').read_text()); "
               "print(sum(int(re.search(r'\\nRss:\\s+(\\d+)', b).group(1)) for b in blocks "

@@ -13,7 +13,8 @@ import pytest
 from shardstream.convert import convert
 from shardstream.errors import ConfigMismatch
 from shardstream.store import open_store
-from shardstream.stream import AutoModel, StreamingModel
+from shardstream import AutoModel
+from shardstream.stream import StreamingModel
 from shardstream.stream.meta import build_meta_model
 from shardstream.tp.group import fingerprint
 from shardstream.tp.rankstore import rank_folder, rank_layout

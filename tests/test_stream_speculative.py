@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from shardstream.convert import convert
 from shardstream.errors import DraftMismatch
-from shardstream.stream import AutoModel
+from shardstream import AutoModel
 from tiny_models import save_checkpoint, tiny_config
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
@@ -151,7 +151,7 @@ def _draft_with_own_tokenizer(folder, vocab_size: int):
 
 
 def test_the_cli_uses_universal_assisted_decoding_for_another_vocabulary(tmp_path, capsys):
-    from shardstream.stream.generate_cli import generate_command
+    from shardstream.front.generate_cli import generate_command
     from tiny_models import llama_store_with_tokenizer
 
     store, _, _ = llama_store_with_tokenizer(tmp_path / "target")
@@ -170,7 +170,7 @@ def test_a_streaming_model_guesses_further_by_default(tmp_path, capsys, resident
     """A streamed pass costs a read of the blocks: 8 draft tokens a pass (18 tokens in 2 passes with a
     perfect draft); all blocks resident: transformers' adaptive schedule, which also stops a guess
     where the draft is unsure (more passes)."""
-    from shardstream.stream.generate_cli import generate_command
+    from shardstream.front.generate_cli import generate_command
     from tiny_models import llama_store_with_tokenizer
 
     store, _, _ = llama_store_with_tokenizer(tmp_path / "target")

@@ -25,7 +25,8 @@ from shardstream.shard import export_tp, load_index, place_experts
 from shardstream.sizes import format_size
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
-from shardstream.stream import AutoModel, StreamingModel
+from shardstream import AutoModel
+from shardstream.stream import StreamingModel
 from shardstream.tp.rankstore import RankLayout, exported_view, rank_folder, rank_layout
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardstream.errors import ShardstreamError
-from shardstream.stream import AutoModel
+from shardstream import AutoModel
 
 IDS = torch.tensor([[1, 5, 9, 20, 33, 40, 7]])
 

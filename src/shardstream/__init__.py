@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = ["AutoModel", "EngineOptions", "convert", "open_store", "sepweight"]
 
 # public name -> (module, attribute in it; None for the module itself)
-_LAZY = {"AutoModel": (".stream", "AutoModel"), "EngineOptions": (".stream", "EngineOptions"), "convert": (".convert", "convert"),
+_LAZY = {"AutoModel": (".front.auto", "AutoModel"), "EngineOptions": (".stream", "EngineOptions"), "convert": (".convert", "convert"),
          "open_store": (".store", "open_store"), "sepweight": (".sepweight", None)}
 
 

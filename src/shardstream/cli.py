@@ -227,8 +227,8 @@ def _mount_subcommands() -> None:
     """Commands whose code lives with their capability."""
     from .data.cli import data_app, train_command
     from .pipeline.cli import agent_command, coordinator_command
-    from .stream.generate_cli import generate_command
-    from .stream.serve_cli import serve_command
+    from .front.generate_cli import generate_command
+    from .front.serve_cli import serve_command
 
     app.command("generate", cls=Command, help="Generate text from a store, streaming layers; tokens print as they come.")(generate_command)
     app.command("serve", cls=Command, help="Serve a store over an OpenAI-compatible HTTP API.")(serve_command)

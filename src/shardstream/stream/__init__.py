@@ -1,17 +1,17 @@
 """Layer-streaming inference: run a model larger than memory one block at a time.
 
-`AutoModel`, `StreamingModel` and `EngineOptions` load on first use, so the command modules in this package
-(`cli.py`, `generate_cli.py`, `serve_cli.py`) import without torch and `shardstream --help` stays fast.
+The streaming engine: `StreamingModel` and `EngineOptions` load on first use, so importing the package
+costs nothing until they are used. The user's entrance (`AutoModel`, the `generate` and `serve` commands)
+is shardstream.front, above this package.
 """
 
-__all__ = ["AutoModel", "EngineOptions", "StreamingModel"]
+__all__ = ["EngineOptions", "StreamingModel"]
 
 
 def __getattr__(name: str):
-    if name == "AutoModel":
-        from .auto import AutoModel
-
-        return AutoModel
+    if name == "AutoModel":   # the entrance stands above the engine: one sentence instead of a bare AttributeError
+        raise AttributeError("AutoModel is `from shardstream import AutoModel` (shardstream.front.auto), not "
+                             "shardstream.stream.AutoModel.")
     if name == "EngineOptions":
         from .engine_options import EngineOptions
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidOption
 from ..options import compression
-from ..stream.cli import Converting
+from .cli import Converting
 
 if TYPE_CHECKING:
     from ..stream.engine_options import EngineOptions
@@ -22,10 +22,10 @@ def refuse_unsupported(unsupported: list[str]) -> None:
 
 def open_rank(source: str, store_path: str | None, device: str, converting: Converting, progress: bool,
               options: EngineOptions, tp_cache: str | None = None):
-    """This rank's model, streaming its shares with `options` (stream/cli.py command_options: what one process
+    """This rank's model, streaming its shares with `options` (cli.py command_options: what one process
     would take, for the same batches, out of the rank's share of the machine); a checkpoint is converted
     first with `converting`'s options (once per machine)."""
-    from ..stream.auto import AutoModel
+    from .auto import AutoModel
 
     return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                      sequential_shard_processing=converting.sequential,
@@ -46,7 +46,7 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
     import torch.distributed as dist
 
-    from ..stream.cli import check_device, command_options
+    from .cli import check_device, command_options
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 

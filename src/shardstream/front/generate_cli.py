@@ -52,7 +52,7 @@ def generate_command(
     stops = list(stop or [])
     converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
-        from ..tp.cli import generate_tp
+        from .tp_generate import generate_tp
 
         _check_utf8(prompt or "")
         refuse_experts_with_tp(experts)

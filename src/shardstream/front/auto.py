@@ -10,8 +10,8 @@ import torch
 from ..errors import InvalidOption
 from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
-from .engine_options import EngineOptions
-from .model import StreamingModel
+from ..stream.engine_options import EngineOptions
+from ..stream.model import StreamingModel
 from .resolve import ensure_store
 
 

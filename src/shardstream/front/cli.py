@@ -21,8 +21,8 @@ from ..options import compression, size
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
-    from .engine_options import EngineOptions
-    from .model import StreamingModel
+    from ..stream.engine_options import EngineOptions
+    from ..stream.model import StreamingModel
 
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
 Resident = Annotated[str, typer.Option(help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.",
@@ -89,8 +89,8 @@ def command_options(max_resident_memory: str, max_host_memory: str, device: str,
     --experts, for a model that runs `batch_size` sequences at once (EngineOptions.for_batch): one
     process's, or one tensor-parallel rank's (whose `auto` is its share of the machine,
     residency.resolve_budget)."""
-    from .compute_dtype import parse_compute_dtype
-    from .engine_options import EngineOptions
+    from ..stream.compute_dtype import parse_compute_dtype
+    from ..stream.engine_options import EngineOptions
 
     if experts not in EXPERT_OPTIONS:
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
@@ -119,7 +119,7 @@ def memory_options(max_resident_memory: str, max_host_memory: str, device: str) 
 def _compute_dtype_to_stderr(option: str, role: str = "") -> Iterator[None]:
     """Check --compute-dtype before any conversion; while the model loads, its choice (and why) goes to
     stderr as one line (the logger is left as it was: tests call the commands in-process)."""
-    from .compute_dtype import log, parse_compute_dtype
+    from ..stream.compute_dtype import log, parse_compute_dtype
 
     parse_compute_dtype(option, "--compute-dtype")
     handler = logging.StreamHandler(sys.stderr)

@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
-from ..stream.cli import Converting, check_device, command_options
+from .cli import Converting, check_device, command_options
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
-from .cli import open_rank
-from .group import check_torchrun, join_group
-from .serving import GroupCalls, error_gist, follow
+from .tp_generate import open_rank
+from ..tp.group import check_torchrun, join_group
+from ..tp.serving import GroupCalls, error_gist, follow
 
 CLOSE_S = 10.0   # how long the last replies and a clean stop may take (the engine's last step, the ranks leaving)
 

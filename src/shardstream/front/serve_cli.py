@@ -80,7 +80,7 @@ def serve_command(
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         refuse_experts_with_tp(experts)
-        from ..tp.serve import serve_tp
+        from .tp_serve import serve_tp
 
         serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout,
                  max_resident_memory, max_host_memory, tp_cache)

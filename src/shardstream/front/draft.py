@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
 from .cli import Converting, open_model
-from .model import StreamingModel
+from ..stream.model import StreamingModel
 from ..serving.text import load_tokenizer
 
 
