@@ -299,3 +299,26 @@ def test_the_defaults_hold_a_cap_that_float32_copies_exceeded(built, reference, 
     assert run.returncode == 0, run.stderr[-2000:]
     dtype, got = json.loads(run.stdout.strip().splitlines()[-1])
     assert dtype == str(cpu) and got == tokens.tolist()
+
+
+def test_a_streamed_head_reads_as_the_blocks_do_once_a_batch_engine_switches_them(built, monkeypatch):
+    """The model opens with its blocks in the page cache (they fit); a batch engine then moves the streamed
+    blocks past it (`leave_memory_to_a_batch`: O_DIRECT), and the streamed head follows at its next read."""
+    from shardstream.stream import ends
+
+    _, store = built("qwen2.5-0.5b")
+    direct: list[bool] = []
+    real = ends.read_ranges
+
+    def recording(*args):
+        direct.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(ends, "read_ranges", recording)
+    with StreamingModel(open_store(store), max_resident_memory=0, compute_dtype="bfloat16") as model:
+        model(torch.tensor(IDS))
+        assert direct and not any(direct)   # read through the page cache, as the blocks are
+        model.leave_memory_to_a_batch()
+        direct.clear()
+        model(torch.tensor(IDS))
+        assert direct and all(direct)

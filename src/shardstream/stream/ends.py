@@ -18,6 +18,7 @@ streamed block's is.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -130,9 +131,10 @@ class Ends:
         rows = self.embedding is not None and not (self.tied and self.head_resident)
         return ({self.embedding.name} if rows else set()) | ({self.head.name} if not self.head_resident else set())
 
-    def hook(self, pool: BufferPool, capacity: int, reading: str, verify: bool) -> list:
-        """Put the row reader and the streamed head in place (the head read as the loader reads blocks:
-        `reading`, direct.READINGS); returns what to remove on close."""
+    def hook(self, pool: BufferPool, capacity: int, reading: Callable[[], str], verify: bool) -> list:
+        """Put the row reader and the streamed head in place (the head read as the loader reads blocks at the
+        time: `reading()`, direct.READINGS, which a batch engine may switch later); returns what to remove on
+        close."""
         handles: list = []
         streamed = self.streamed
         if self.embedding is not None and self.embedding.name in streamed:
@@ -210,9 +212,9 @@ class StreamedHead:
     held as stored). The weight slot stays on `meta`; its bias (if any) is resident."""
 
     def __init__(self, store: Store, matrix: StoredMatrix, module: nn.Module, pool: BufferPool, capacity: int,
-                 reading: str, verify: bool):
+                 reading: Callable[[], str], verify: bool):
         self._store, self._matrix, self._module, self._pool = store, matrix, module, pool
-        self._capacity, self._direct, self._drop = capacity, reading == "direct", reading == "dropped"
+        self._capacity, self._reading, self._direct_refused = capacity, reading, False
         self._verified = _Verified(store, matrix.file, verify)
         rows = max(1, (capacity - 2 * ALIGN) // matrix.row_bytes)
         self.slices = [(r, min(r + rows, matrix.rows)) for r in range(0, matrix.rows, rows)]
@@ -247,12 +249,15 @@ class StreamedHead:
         last = matrix.offset + end * matrix.row_bytes
         span = (first // ALIGN * ALIGN, aligned(last))
         buffer = self._pool.take(self._capacity)
+        mode = self._reading()
+        drop = mode == "dropped"
         try:
             try:
-                read_ranges(self._store, matrix.file, [span], buffer, 0, self._direct, self._drop)
+                read_ranges(self._store, matrix.file, [span], buffer, 0, mode == "direct" and not self._direct_refused,
+                            drop)
             except DirectUnsupported:
-                self._direct = False
-                read_ranges(self._store, matrix.file, [span], buffer, 0, False, self._drop)
+                self._direct_refused = True
+                read_ranges(self._store, matrix.file, [span], buffer, 0, False, drop)
         except BaseException:
             self._pool.give([buffer])
             raise

@@ -117,7 +117,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         # resident head can leave the blocks no room in the page cache
         if self._loader.reading == "mapped":
             self._loader.reading = block_reading(store, copy_free=self.device.type == "cuda")
-        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, self._loader.reading, options.verify_checksums)
+        self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, lambda: self._loader.reading,
+                                           options.verify_checksums)
         self.resident_budget = budget   # what the resident blocks were chosen within, the ends placed
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
