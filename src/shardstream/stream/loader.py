@@ -195,6 +195,21 @@ class BlockLoader:
         with self._keeping:
             return all(key in self._kept for key in keys)
 
+    def choose_reading_again(self) -> None:
+        """Ask again how streamed blocks are read, once the resident parts are in memory: under a cap they
+        count against it, and a large resident head can leave the blocks no room in the page cache."""
+        if self.reading == "mapped":
+            self.reading = block_reading(self.store, copy_free=self.device.type == "cuda")
+
+    def read_past_the_cache(self) -> None:
+        """Read streamed blocks past the page cache from now on (O_DIRECT, else dropped reads), unless they
+        are read so already or $SHARDSTREAM_DIRECT_IO=off keeps them mapped: a batch engine's KV caches want
+        the memory the cached blocks would take."""
+        if self.reading != "direct":
+            reading = block_reading(self.store, memory=0, copy_free=True)
+            if reading != "mapped":
+                self.reading = reading
+
     def pack_linear_weights(self, linear_weights: set[str]) -> None:
         """Hand these Linears' and embeddings' weights (parameter names) over as stored, where a kernel multiplies
         them so: quantized ones packed (quant_linear.packable), and on the CPU the half-precision matrices of a

@@ -26,7 +26,6 @@ from ..serving.text import check_context
 from ..store import Store
 from .attention import attention_kernels
 from .blocks import StreamedBlocks, fill_block
-from .direct import block_reading
 from .ends import Ends
 from .habits import TransformersHabits
 from .engine_options import EngineOptions, engine_options
@@ -113,10 +112,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, prefixes, place)
-        # asked again now that the resident parts are in memory: under a cap they count against it, and a large
-        # resident head can leave the blocks no room in the page cache
-        if self._loader.reading == "mapped":
-            self._loader.reading = block_reading(store, copy_free=self.device.type == "cuda")
+        self._loader.choose_reading_again()
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, lambda: self._loader.reading,
                                            options.verify_checksums)
         self.resident_budget = budget   # what the resident blocks were chosen within, the ends placed
@@ -355,10 +351,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         rather than dropped reads, as a
         batch's pass is compute-bound and O_DIRECT copies nothing on the CPU. SHARDSTREAM_DIRECT_IO=off
         still wins."""
-        if self._loader.reading != "direct":
-            reading = block_reading(self.store, memory=0, copy_free=True)
-            if reading != "mapped":
-                self._loader.reading = reading
+        self._loader.read_past_the_cache()
 
     def check_length(self, input_ids: torch.Tensor | None, new_tokens: int) -> None:
         """Refuse a prompt (plus the tokens to generate) longer than the model's context or `max_seq_len`."""
