@@ -37,7 +37,7 @@ from shardstream.pipeline.local import spawn_agents
 from shardstream.pipeline.measure import cold_read_seconds
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
-from shardstream.serving.batching import SamplingParams
+from shardstream.serving.protocol import SamplingParams
 
 TOKEN = "bench"
 CONTEXT = 256

@@ -235,7 +235,8 @@ def run_batch(model, requests: int, args, vocab: int) -> dict:
     """`requests` concurrent greedy requests through the batch engine, after one untimed request."""
     import torch
 
-    from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
+    from shardstream.serving.batching import BatchEngine
+    from shardstream.serving.protocol import NO_TOKEN, SamplingParams
 
     prompts = [torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(requests)]

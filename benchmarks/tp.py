@@ -360,7 +360,7 @@ def pipeline_section(args, store: Path, state: dict) -> str:
 
     import pipeline as pipeline_bench   # benchmarks/pipeline.py: agents, coordinator, stage server
     from shardstream.pipeline.coordinator import CoordinatorOptions
-    from shardstream.serving.batching import SamplingParams
+    from shardstream.serving.protocol import SamplingParams
 
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))[0].tolist()
     rows = []

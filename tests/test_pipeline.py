@@ -33,7 +33,7 @@ from shardstream.pipeline.local import LocalAgent, spawn_agents
 from shardstream.pipeline.package import package_stage
 from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
-from shardstream.serving.batching import NO_TOKEN, SamplingParams
+from shardstream.serving.protocol import NO_TOKEN, SamplingParams
 from http_server import unused_port
 from tiny_models import llama_store_with_tokenizer
 

@@ -15,7 +15,8 @@ from shardstream.convert import convert
 from shardstream.errors import GroupLost, InsufficientMemory, InvalidOption
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel
-from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams, open_sequence
+from shardstream.serving.batching import BatchEngine
+from shardstream.serving.protocol import NO_TOKEN, SamplingParams, open_sequence
 from tiny_models import save_checkpoint, tiny_config, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2",

@@ -77,7 +77,8 @@ ENGINE = """
 import json, logging, io, torch
 from tiny_models import tiny_model
 from shardstream.serving import pass_memory
-from shardstream.serving.batching import BatchEngine, SamplingParams
+from shardstream.serving.batching import BatchEngine
+from shardstream.serving.protocol import SamplingParams
 stream = io.StringIO()
 logging.basicConfig(stream=stream, level=logging.INFO)
 model = tiny_model("llama")

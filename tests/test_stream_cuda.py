@@ -25,7 +25,8 @@ from shardstream.store import open_store
 from shardstream import AutoModel
 from shardstream.stream import StreamingModel, quant_linear
 from shardstream.serving.admission import room
-from shardstream.serving.batching import NO_TOKEN, BatchEngine, SamplingParams
+from shardstream.serving.batching import BatchEngine
+from shardstream.serving.protocol import NO_TOKEN, SamplingParams
 from shardstream.stream.prefetch import CopyAhead
 from shardstream.stream.residency import AUTO_SHARE, resolve_budget
 from tiny_models import char_tokenizer, save_checkpoint

@@ -29,8 +29,8 @@ import torch
 import zmq
 
 from ..errors import InvalidOption, PipelineUnavailable, ShardstreamError, SourceUnreachable, StageGone
-from ..serving.batching import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token,
-                               open_sequence, prompt_scores)
+from ..serving.protocol import (NO_TOKEN, SamplingParams, Sequence, TokenEvent, cancel_all, choose_token, open_sequence,
+                                prompt_scores)
 from .client import AgentClient
 from .coordinator import Coordinator, Route
 from .stage import MAX_SESSIONS

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, StoppingCriteriaList, StopStringCriteria
 
 from ..errors import InvalidOption
-from ..serving.batching import NO_TOKEN, SamplingParams
+from ..serving.protocol import NO_TOKEN, SamplingParams
 from .coordinator import Coordinator
 from .engine import PipelineEngine
 

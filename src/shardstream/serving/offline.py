@@ -175,7 +175,7 @@ class Answerer:
         self.engine, self.tokenizer, self.defaults, self.seed = engine, tokenizer, defaults, seed
 
     def __call__(self, prompt: Prompt) -> dict:
-        from .batching import NO_TOKEN, SamplingParams
+        from .protocol import NO_TOKEN, SamplingParams
         from .stops import StopFilter
 
         options = {**self.defaults, **prompt.fields}

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .openai_api import (DEFAULT_MAX_REQUEST_BYTES, HEALTH_PATH, APIError, BodyLimit, ChatRequest,
                          CompletionRequest, api_error, check_model, install_api_key, install_errors)
-from .batching import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
+from .protocol import NO_TOKEN, SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopFilter
 from .text import chat_prompt
 
