@@ -163,7 +163,7 @@ def weights_path(model, streaming: bool) -> str:
     dtype = str(model.model.dtype if streaming else model.dtype).removeprefix("torch.")
     if not streaming:
         return f"{dtype} math"
-    if model._loader.packed_keys:
+    if model.packed_weights:
         return f"{dtype} math from 4-bit codes (quant_linear)"
     if model._loader.mapper.held_as_stored:
         return f"{dtype} math on bf16 weights (half_linear)"

@@ -172,12 +172,12 @@ def test_a_4bit_bfloat16_store_multiplies_from_its_codes(stores, monkeypatch, co
         got = model(IDS).logits
         assert dequantized == []   # the embedding's rows (hidden 32, blocks of 64) are cut from 1-D spans of blocks
         assert model.model.get_input_embeddings().packed is not None
-        assert len(model._loader.packed_keys) == 7 * model.store.num_layers + 2   # and the head, the embedding
+        assert len(model.packed_weights) == 7 * model.store.num_layers + 2   # and the head, the embedding
         tokens = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
     monkeypatch.undo()
     monkeypatch.setattr(loader, "packable", lambda meta, device: False)
     with AutoModel.from_pretrained(store, compute_dtype=compute, max_resident_memory=0) as model, torch.no_grad():
-        assert not model._loader.packed_keys
+        assert not model.packed_weights
         want = model(IDS).logits
         assert torch.equal(tokens, model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert got.dtype == want.dtype == getattr(torch, compute)

@@ -162,7 +162,7 @@ def test_a_4bit_store_on_the_gpu_multiplies_decode_steps_from_its_codes_with_the
             for token in steps:
                 out = model(token, past_key_values=out.past_key_values, use_cache=True)
                 logits[switch].append(out.logits)
-            packed = model._loader.packed_keys
+            packed = model.packed_weights
         if switch == "0":
             assert not packed and seen == [None] * 4
         else:

@@ -44,7 +44,7 @@ PROBE = textwrap.dedent(r"""
     block = max(s.nbytes for s in model._slots)
     piece = max(p.nbytes for ps in model.pieces.values() for p in ps)
     print(json.dumps({"baseline": baseline, "peak": peak, "block": block, "piece": piece, "blocks": len(model._slots),
-                      "passes": model.profile.total.passes, "direct": model._loader.direct,
+                      "passes": model.profile.total.passes, "direct": model.reading == "direct",
                       "working_set": model.stream_working_set}))
 """)
 

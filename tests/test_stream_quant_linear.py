@@ -143,7 +143,7 @@ def test_a_quantized_store_keeps_its_linears_packed_streamed_and_resident(store,
         alone = torch.cat([streamed(ids[i:i + 1]).logits for i in range(len(ids))])
         assert dequantized == []
         blocks = streamed.store.num_layers
-        assert len(streamed._loader.packed_keys) == 7 * blocks + 2   # q, k, v, o, gate, up, down; head, embedding
+        assert len(streamed.packed_weights) == 7 * blocks + 2   # q, k, v, o, gate, up, down; head, embedding
     assert (want - alone).abs().max().item() <= 1e-5   # attention's kernels may round a batch differently
     with AutoModel.from_pretrained(store, max_resident_memory=None) as resident, torch.no_grad():
         assert resident.resident_blocks == list(range(blocks))
@@ -170,7 +170,7 @@ def test_switched_off_the_weights_are_dequantized_as_before(store, monkeypatch, 
         with caplog.at_level(logging.INFO, logger="shardstream.stream"):
             with AutoModel.from_pretrained(store, max_resident_memory=0) as model, torch.no_grad():
                 dequantized = linear_dequantizations(monkeypatch)
-                assert model._loader.packed_keys == frozenset()
+                assert model.packed_weights == frozenset()
                 plain = model(ids).logits
                 assert dequantized
         assert f"quantized-weight kernel: off ({QUANT_KERNEL.name}=0)" in caplog.text

@@ -92,7 +92,7 @@ PEAKS = textwrap.dedent(r"""
     reset()
     ids = torch.tensor(json.loads(sys.argv[3]))
     model.generate(ids, max_new_tokens=4, do_sample=False)
-    print(json.dumps({"loading": loading, "decoding": peak(), "streamed": sorted(model._ends.streamed)}))
+    print(json.dumps({"loading": loading, "decoding": peak(), "streamed": sorted(model.streamed_ends)}))
 """)
 
 
@@ -124,7 +124,7 @@ def test_embedding_reads_rows_by_offset(built, cpu, overrides):
     ckpt, store = built("qwen2.5-0.5b", **overrides)
     model = StreamingModel(open_store(store), max_resident_memory=0 if not overrides else None)
     embed = model.model.get_input_embeddings()
-    assert "model.embed_tokens.weight" in model._ends.streamed
+    assert "model.embed_tokens.weight" in model.streamed_ends
     ids = torch.tensor(IDS)
     embed(ids)   # the first use checksums the file whole, through a small buffer
     before = _read_bytes()
@@ -188,7 +188,7 @@ def test_real_shapes_exact_against_transformers(built, reference, cpu, shape, bu
     _, store = built(shape)
     expected, tokens = reference(shape, cpu)
     model = StreamingModel(open_store(store), max_resident_memory=budget)
-    assert bool(model._ends.streamed) == (budget == 0)
+    assert bool(model.streamed_ends) == (budget == 0)
     ids = torch.tensor(IDS)
     got = model(ids).logits
     assert got.dtype == cpu
@@ -231,7 +231,7 @@ def test_no_bf16_weight_is_held_at_float32_size(built, cpu, budget):
         seen = seen[:len(seen) // 2]
         forward = model.model.get_output_embeddings().forward
         slices = len(forward.__self__.slices) if isinstance(forward.__self__, StreamedHead) else 0
-        streamed = model._ends.streamed
+        streamed = model.streamed_ends
     matrices = [(name, dtype) for name, dtype, nbytes in seen if name != "model.embed_tokens" or not streamed]
     assert len(matrices) == 7 * LAYERS + (0 if streamed else 2)
     assert {dtype for _, dtype in matrices} == {torch.bfloat16}, matrices

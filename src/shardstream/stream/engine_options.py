@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InvalidOption
 from .compute_dtype import parse_compute_dtype
-from .pieces import BATCH_PIECE_BYTES
+from . import pieces
 from .residency import batch_resident_budget, bytes_option
 
 EXPERT_MODES = ("with_block", "on_demand")
@@ -69,7 +69,7 @@ class EngineOptions:
                        max_resident_memory=share if self.max_resident_memory == "auto" else self.max_resident_memory,
                        max_expert_memory=share if self.experts == "on_demand" and self.max_expert_memory == "auto"
                        else self.max_expert_memory,
-                       piece_bytes=BATCH_PIECE_BYTES if self.piece_bytes is None else self.piece_bytes)
+                       piece_bytes=pieces.BATCH_PIECE_BYTES if self.piece_bytes is None else self.piece_bytes)
 
 
 def engine_options(options: EngineOptions | None, given: dict) -> EngineOptions:

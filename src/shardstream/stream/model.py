@@ -275,6 +275,23 @@ class StreamingModel(TransformersHabits, WrapsModel):
         return budget
 
     @property
+    def reading(self) -> str:
+        """How streamed blocks are read now: "direct" (O_DIRECT), "mapped" (through the page cache) or
+        "dropped" (read, then dropped from the page cache); direct.READINGS."""
+        return self._loader.reading
+
+    @property
+    def streamed_ends(self) -> set[str]:
+        """The embedding and head parameters not held whole: an embedding read by rows, a head in slices."""
+        return self._ends.streamed
+
+    @property
+    def packed_weights(self) -> frozenset[str]:
+        """Checkpoint tensors multiplied as stored (4-bit/8-bit codes, or half precision beside float32 math)
+        instead of converted into the compute dtype."""
+        return self._loader.packed_keys
+
+    @property
     def bytes_read(self) -> int:
         """Bytes of weights read from the store so far: the resident parts once, streamed pieces each time
         they are read (their tensors' own bytes, not the page rounding of O_DIRECT)."""
