@@ -145,7 +145,7 @@ class OnDemandExperts:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
         mine = [r for r in placed.values() if r.group in by_layer]
-        self._file_bytes = max(index.files[r.file].size for r in mine)
+        self._file_bytes = max(r.length for r in mine)   # the largest expert's bytes: one read's buffer
         self._blocks: dict[int, _Block] = {}
         for layer, names in by_layer.items():
             modules = {target.rpartition(".")[0] for target in mapper.target_names(sorted(names))}
@@ -250,7 +250,7 @@ class OnDemandExperts:
             raise
         with self._counting:   # reads run on two threads
             self.loads += 1
-            self.bytes_read += placed.index.files[placed.record.file].size
+            self.bytes_read += placed.nbytes
         block = self._blocks[layer]
         weights = {block.roles[name]: self._placed(tensor, block.dtype) for name, tensor in tensors.items()}
         parts = [part for weight in weights.values() for part in quant.held_by(weight)]
