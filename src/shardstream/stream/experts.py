@@ -109,7 +109,7 @@ class OnDemandExperts:
     """Serves each MoE block's experts module from the experts routed to in this pass, read on demand and
     multiplied from their stored bytes; those worth keeping stay in an `ExpertCache` of `budget` bytes.
 
-    `loads` counts expert files read and `bytes_read` their bytes; `cache.stats` the routings served from
+    `loads` counts experts read and `bytes_read` their bytes; `cache.stats` the routings served from
     memory and those that read.
     """
 
@@ -122,7 +122,7 @@ class OnDemandExperts:
         self.bytes_read = 0
         self.read_ahead = True   # the next expert's file read while one multiplies (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
-        self._buffers = BufferPool()   # expert files are read into these
+        self._buffers = BufferPool()   # experts are read into these
         self._counting = threading.Lock()
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         index = load_index(store)
