@@ -213,6 +213,16 @@ def test_a_store_sharded_before_containers_reads_verifies_and_relocates(placed, 
             assert_loads_exactly(store, original, layer, expert)
 
 
+def test_placing_again_rewrites_no_container_that_holds_what_it_should(placed, tmp_path):
+    store, tiers = placed
+    before = {p: p.stat().st_ino for p in map(Path, expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd"))}
+    place_experts(store, dict(reversed(tiers.items())))   # the same tiers, slowest listed first
+    after = {p: p.stat().st_ino for p in map(Path, expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd"))}
+    assert after == before
+    assert (load_index(store).experts["1:2"].hint, load_index(store).experts["0:3"].hint) == (0, 2)
+    assert verify_sharding(store)[1] == []
+
+
 def assert_same_parts(store, original) -> None:
     """Every part loads the same tensors as the converted store, experts included."""
     for part in original.parts:

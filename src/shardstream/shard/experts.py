@@ -126,6 +126,8 @@ def _pack_block(store: Store, index: ShardIndex, layer: int, tiers: dict[int, st
         members = sorted(e for e, t in tiers.items() if t == tier)
         now = [current.get(e) for e in members]
         if all(r is not None and r.tier == tier and _generation(r) for r in now) and by_file.get(now[0].file) == set(members):
+            for record in now:   # kept as it is, but the tiers may have been listed in another order
+                record.hint = index.tiers[tier]["hint"]
             continue
         generation = 1 + max((_generation(r) for r in current.values() if r.tier == tier), default=0)
         file = container_file(tier, layer, generation)
