@@ -72,7 +72,7 @@ def run_one(store_path: Path, cache: str, args) -> dict:
         experts.HALF_LIFE = 0
     store = open_store(store_path)
     index = load_index(store)
-    expert_bytes = sum(index.files[record.file].size for record in index.experts.values())
+    expert_bytes = sum(record.length for record in index.experts.values())
     budget = 0 if cache == "none" else expert_bytes // 8
     started = time.perf_counter()
     model = StreamingModel(store, experts="on_demand", max_expert_memory=budget)

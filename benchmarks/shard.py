@@ -199,19 +199,19 @@ def bench_verify(store) -> str:
 # -- 3. MoE decoding --------------------------------------------------------------------------------
 
 class Counter:
-    """Expert bytes read: every expert file read (`Expert.raw` with its block, `Expert.read_into` on demand),
+    """Expert bytes read: every expert read (`Expert.raw` with its block, `Expert.read_into` on demand),
     by either mode (experts are stored apart)."""
 
     def __init__(self, store):
         index = load_index(store)
-        self.expert_total = sum(index.files[r.file].size for r in index.experts.values())
+        self.expert_total = sum(r.length for r in index.experts.values())
         self.bytes = 0
         self.files = 0
         for method in ("raw", "read_into"):
             real = getattr(Expert, method)
 
             def counting(expert, *args, real=real, **kwargs):
-                self.bytes += expert.index.files[expert.record.file].size
+                self.bytes += expert.nbytes
                 self.files += 1
                 return real(expert, *args, **kwargs)
 

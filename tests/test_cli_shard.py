@@ -26,10 +26,11 @@ def test_shard_relocate_verify(tmp_path):
     assert "experts placed" in placed.stdout
     moved = run_cli("relocate", "store", "--expert", "1:2", "--tier", "cold", cwd=tmp_path, check=True)
     assert "expert 1:2 is on tier cold" in moved.stdout
-    assert (cold / "experts" / "tier_cold" / "group_1" / "expert_2.safetensors").is_file()
+    assert (cold / "experts" / "tier_cold" / "group_1.1.experts").is_file()
     assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
     listed = "".join(run_cli("inspect", "store", cwd=tmp_path, check=True).stdout.split())   # as if never wrapped
-    for line in ["experts on tier hot (.): 11 files", f"experts on tier cold ({cold}): 1 files", "tensor-parallel slices: 2 ranks"]:
+    for line in ["experts on tier hot (.): 11 experts in 3 files", f"experts on tier cold ({cold}): 1 experts in 1 files",
+                 "tensor-parallel slices: 2 ranks"]:
         assert "".join(line.split()) in listed
 
     store = open_store(tmp_path / "store")
@@ -42,12 +43,12 @@ def test_shard_relocate_verify(tmp_path):
     q = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(torch.cat([h[q] for h in halves]), whole[q])
 
-    victim = cold / "experts" / "tier_cold" / "group_1" / "expert_2.safetensors"
+    victim = cold / "experts" / "tier_cold" / "group_1.1.experts"
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 1
+    data[100] ^= 1
     victim.write_bytes(bytes(data))
     bad = run_cli("verify", "store", "--parts", "experts", cwd=tmp_path)
-    assert bad.returncode == 1 and "expert_2.safetensors: checksum mismatch" in bad.stderr
+    assert bad.returncode == 1 and "group_1.1.experts: checksum mismatch in expert 1:2" in bad.stderr
     assert run_cli("verify", "store", "--parts", "mid/0", cwd=tmp_path).returncode == 0
 
 

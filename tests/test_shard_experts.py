@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
 
 import shardstream
+import shardstream.store.sharding as sharding
+from shardstream.atomic import write_bytes_atomic, write_json_atomic
 from shardstream.convert import convert
 from http_server import serve_directory
 from shardstream.errors import InvalidOption, StoreCorrupt
+from shardstream.pipeline.package import package_stage
 from shardstream.shard import (RELOCATION_STEPS, load_expert, load_index, parse_expert_key, parse_tiers,
-                               place_experts, relocate)
+                               place_experts, relocate, relocate_part)
 from shardstream.store import verify_sharding, verify_store
+from shardstream.store.direct_io import ALIGN, aligned
+from shardstream.store.manifest import sealed
+from shardstream.store.sharding import INDEX_NAME, INDEX_VERSION, tier_root
+from shardstream.stream.direct import read_buffer
 from shardstream.store.remote import open_remote_store
 from test_shard_tp import tiny_store
 
@@ -39,6 +49,7 @@ def pausing(real):
         return result
     return durable_write
 experts.write_encoded = pausing(experts.write_encoded)
+experts.write_container = pausing(experts.write_container)
 sharding.write_json_atomic = pausing(sharding.write_json_atomic)
 manifest.write_json_atomic = pausing(manifest.write_json_atomic)
 experts.place_experts(shardstream.open_store(root), {"hot": ".", "cold": cold}, placement={(1, 2): "cold"})
@@ -80,6 +91,32 @@ def placed(tmp_path, tmp_path_factory):
     return store, tiers
 
 
+def as_files_per_expert(store) -> None:
+    """Rewrite a placed store as shardstream wrote it before containers: one file per expert, and a version 2
+    index whose expert records have no offset, length or checksum of their own (`files` holds it)."""
+    index = load_index(store)
+    body = asdict(index)
+    body["format_version"], body["files"] = 2, {n: f for n, f in body["files"].items() if not n.endswith(".experts")}
+    for key, record in index.experts.items():
+        file = f"experts/tier_{record.tier}/group_{record.group}/expert_{record.expert}.safetensors"
+        data = load_expert(store, record.group, record.expert).contents(verify=True)
+        write_bytes_atomic(tier_root(store, index, record.tier) / file, data)
+        body["files"][file] = {"size": len(data), "xxh3_128": record.xxh3_128}
+        entry = body["experts"][key]
+        entry["file"] = file
+        for name in ("offset", "length", "xxh3_128"):
+            del entry[name]
+    for record in index.experts.values():
+        (tier_root(store, index, record.tier) / record.file).unlink(missing_ok=True)
+    write_json_atomic(store.root / INDEX_NAME, sealed(body))
+
+
+def expert_files(*roots) -> list[str]:
+    """Every expert container and file of one expert under `roots`."""
+    return sorted(str(p) for root in roots for p in root.rglob("experts/tier_*/*") if p.is_file()) + \
+        sorted(str(p) for root in roots for p in root.rglob("expert_*.safetensors"))
+
+
 def expected(original, layer: int, expert: int) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     return {n: original.load_tensor(n) for n in original.manifest.tensors if n.startswith(prefix)}
@@ -92,6 +129,11 @@ def assert_loads_exactly(store, original, layer: int, expert: int) -> None:
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def containers(root, tier: str, layer: int) -> list[str]:
+    """The names of block `layer`'s expert containers on `tier` (rooted at `root`)."""
+    return sorted(p.name for p in (root / f"experts/tier_{tier}").glob(f"group_{layer}.*.experts"))
+
+
 def test_placement_by_tier(placed, original, tmp_path):
     store, tiers = placed
     index = load_index(store)
@@ -99,12 +141,85 @@ def test_placement_by_tier(placed, original, tmp_path):
     assert (index.experts["1:2"].tier, index.experts["1:2"].hint) == ("cold", 2)
     assert (index.experts["2:0"].tier, index.experts["2:0"].hint) == ("warm", 1)
     assert (index.experts["0:3"].tier, index.experts["0:3"].hint) == ("hot", 0)
-    assert (tmp_path / "hdd/experts/tier_cold/group_1/expert_2.safetensors").is_file()
-    assert (store.root / "tiers/warm/experts/tier_warm/group_2/expert_0.safetensors").is_file()
-    assert (tmp_path / "nvme/experts/tier_hot/group_0/expert_3.safetensors").is_file()
+    assert index.experts["1:2"].file == "experts/tier_cold/group_1.1.experts"
+    assert containers(tmp_path / "hdd", "cold", 1) == ["group_1.1.experts"]
+    assert containers(store.root / "tiers/warm", "warm", 2) == ["group_2.1.experts"]
+    assert containers(tmp_path / "nvme", "hot", 0) == ["group_0.1.experts"]
     for layer in range(3):
         for expert in range(4):
             assert_loads_exactly(store, original, layer, expert)
+    assert verify_sharding(store)[1] == []
+
+
+def test_one_container_per_tier_and_block_each_expert_aligned(placed, tmp_path):
+    store, _ = placed
+    index = load_index(store)
+    homes = {(r.tier, r.group) for r in index.experts.values()}
+    assert len(homes) == 3 + 2 == len(expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd"))
+    for record in index.experts.values():
+        assert record.offset % ALIGN == 0 and 0 < record.length <= index.files[record.file].size - record.offset
+        assert load_expert(store, record.group, record.expert).nbytes == record.length
+    assert sum(r.length for r in index.experts.values()) <= sum(f.size for f in index.files.values())
+
+
+def test_one_expert_is_one_read_of_its_own_bytes(placed, original, monkeypatch):
+    """Through the real readers: a checked load reads the expert's [offset, offset + length) once, and so
+    does a read past the page cache (one O_DIRECT read of its page-rounded bytes at its offset)."""
+    store, _ = placed
+    reads = []
+    read_path, read_at = sharding.read_path, sharding.read_at
+
+    def plain(path, offset, length):
+        got = read_path(path, offset, length)
+        reads.append(("read_path", Path(path).name, offset, len(got)))
+        return got
+
+    def direct(fd, path, view, offset):
+        reads.append(("read_at", Path(path).name, offset, len(view)))
+        return read_at(fd, path, view, offset)
+
+    monkeypatch.setattr(sharding, "read_path", plain)
+    monkeypatch.setattr(sharding, "read_at", direct)
+    expert = load_expert(store, 0, 2)
+    record = expert.record
+    assert record.offset > 0   # not the container's first expert
+    assert_loads_exactly(store, original, 0, 2)
+    assert reads == [("read_path", Path(record.file).name, record.offset, record.length)]
+    reads.clear()
+    expert.read_into(read_buffer(aligned(record.length)), drop=True)
+    assert reads == [("read_at", Path(record.file).name, record.offset, aligned(record.length))]
+
+
+@pytest.mark.parametrize("layout", ["containers", "files per expert"])
+def test_a_store_sharded_before_containers_reads_verifies_and_relocates(placed, original, tmp_path, layout):
+    store, _ = placed
+    if layout == "files per expert":
+        as_files_per_expert(store)
+        assert len(expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd")) == 12
+    store = shardstream.open_store(store.root)
+    for layer in range(3):
+        for expert in range(4):
+            assert_loads_exactly(store, original, layer, expert)
+    assert verify_sharding(store)[1] == []
+    relocate(store, 0, 1, "cold")   # block 0 is packed into containers; the others keep their files
+    assert containers(tmp_path / "hdd", "cold", 0) and not list((tmp_path / "nvme/experts/tier_hot").glob("group_0/*"))
+    assert verify_sharding(store)[1] == []
+    place_experts(store, {"hot": str(tmp_path / "nvme"), "warm": "tiers/warm", "cold": str(tmp_path / "hdd")})
+    assert len(expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd")) == 3 + 3
+    assert not list(store.root.rglob("expert_*.safetensors")) and not list(tmp_path.rglob("expert_*.safetensors"))
+    assert verify_sharding(store)[1] == [] and load_index(store).format_version == INDEX_VERSION
+    for layer in range(3):
+        for expert in range(4):
+            assert_loads_exactly(store, original, layer, expert)
+
+
+def test_placing_again_rewrites_no_container_that_holds_what_it_should(placed, tmp_path):
+    store, tiers = placed
+    before = {p: p.stat().st_ino for p in map(Path, expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd"))}
+    place_experts(store, dict(reversed(tiers.items())))   # the same tiers, slowest listed first
+    after = {p: p.stat().st_ino for p in map(Path, expert_files(store.root, tmp_path / "nvme", tmp_path / "hdd"))}
+    assert after == before
+    assert (load_index(store).experts["1:2"].hint, load_index(store).experts["0:3"].hint) == (0, 2)
     assert verify_sharding(store)[1] == []
 
 
@@ -127,7 +242,7 @@ def test_placing_stores_each_expert_once(placed, original, tmp_path):
         assert store.manifest.parts[f"mid/{layer}"].files == [f"mid/{layer}/weights-without-experts.safetensors"]
         assert [p.name for p in (store.root / f"mid/{layer}").iterdir()] == ["weights-without-experts.safetensors"]
     assert_same_parts(store, original)
-    assert store.part_nbytes("mid/1") > original.part_nbytes("mid/1") * 0.9
+    assert original.part_nbytes("mid/1") * 0.9 < store.part_nbytes("mid/1") < original.part_nbytes("mid/1") * 1.1
     expert_bytes = sum(r.length for r in original.manifest.tensors.values() if r.expert is not None)
     assert expert_bytes > disk_bytes(original.root) / 2
     placed_bytes = disk_bytes(store.root, tmp_path / "nvme", tmp_path / "hdd")
@@ -154,9 +269,10 @@ def test_quantized_experts_move_without_requantizing(tmp_path, tmp_path_factory,
     assert_same_parts(store, original)
 
 
-# durable writes of placing 3 layers x 4 experts: per layer 4 expert files, the index (the first
-# time also the manifest's pointer to it), the part without experts, the manifest
-@pytest.mark.parametrize("stop", [1, 5, 6, 7, 8, 13, 22])
+# durable writes of placing 3 layers x 4 experts (1:2 cold): per layer a container a tier (layer 1: hot, then
+# cold), the index (the first time also the manifest's pointer to it), the part without experts, the
+# manifest; then the index once more
+@pytest.mark.parametrize("stop", [1, 3, 6, 7, 8, 10, 13, 15])
 def test_sigkill_while_placing_leaves_a_store_that_loads(tmp_path, tmp_path_factory, original, stop):
     shutil.copytree(original.root, tmp_path / "store")
     proc = subprocess.Popen([sys.executable, "-c", PLACE_SCRIPT, str(tmp_path / "store"), str(tmp_path / "hdd"), str(stop)],
@@ -177,15 +293,37 @@ def test_sigkill_while_placing_leaves_a_store_that_loads(tmp_path, tmp_path_fact
     assert_same_parts(shardstream.open_store(store.root), original)
 
 
-def test_relocate_moves_the_file(placed, original, tmp_path):
+def test_relocate_moves_the_expert_between_containers(placed, original, tmp_path):
     store, _ = placed
     record = relocate(store, 0, 3, "cold")
-    assert (record.tier, record.hint) == ("cold", 2)
-    assert not (tmp_path / "nvme/experts/tier_hot/group_0/expert_3.safetensors").exists()
-    assert (tmp_path / "hdd/experts/tier_cold/group_0/expert_3.safetensors").is_file()
+    assert (record.tier, record.hint, record.file) == ("cold", 2, "experts/tier_cold/group_0.1.experts")
+    assert containers(tmp_path / "nvme", "hot", 0) == ["group_0.2.experts"]   # the old one, with 0:3, is gone
+    assert containers(tmp_path / "hdd", "cold", 0) == ["group_0.1.experts"]
+    assert {r.file for r in load_index(store).experts.values() if r.group == 0 and r.tier == "hot"} == \
+        {"experts/tier_hot/group_0.2.experts"}
+    for expert in range(4):
+        assert_loads_exactly(store, original, 0, expert)
+    record = relocate(store, 0, 3, "hot")   # back again: new names once more, the cold container emptied away
+    assert containers(tmp_path / "nvme", "hot", 0) == ["group_0.3.experts"] and not containers(tmp_path / "hdd", "cold", 0)
     assert_loads_exactly(store, original, 0, 3)
+    assert verify_sharding(store)[1] == []
     with pytest.raises(InvalidOption, match="has no tier 'tape'"):
         relocate(store, 0, 3, "tape")
+
+
+def test_a_relocated_part_and_its_stage_package_keep_the_blocks_containers(placed, original, tmp_path):
+    """Moving a block's part leaves its experts where they are placed; a pipeline stage of that block ships
+    its containers whole (from both tiers) with an index naming each expert's bytes in them."""
+    store, _ = placed
+    relocate_part(store, "mid/1", "warm")
+    assert_same_parts(store, original)
+    package = package_stage(store, 1, 2, tmp_path / "stages")
+    listed = json.loads((package.folder / "stage.json").read_text())["files"]
+    named = {r.file for r in load_index(store).experts.values() if r.group == 1}
+    assert {n for n in listed if n.startswith("experts/")} == named and len(named) == 2
+    staged = shardstream.open_store(package.folder)
+    for expert in range(4):
+        assert_loads_exactly(staged, original, 1, expert)
 
 
 def kill_relocation_at(root, what: str, tier: str, stop: str) -> list[str]:
@@ -203,9 +341,12 @@ def kill_relocation_at(root, what: str, tier: str, stop: str) -> list[str]:
     return steps
 
 
+@pytest.mark.parametrize("layout", ["containers", "files per expert"])
 @pytest.mark.parametrize("stop", RELOCATION_STEPS)
-def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, original, tmp_path, stop):
+def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, original, tmp_path, stop, layout):
     store, _ = placed
+    if layout == "files per expert":
+        as_files_per_expert(store)
     before = load_index(store).experts["1:2"].tier
     steps = kill_relocation_at(store.root, "1:2", "hot", stop)
     assert steps == list(RELOCATION_STEPS[: RELOCATION_STEPS.index(stop) + 1])
@@ -214,29 +355,41 @@ def test_sigkill_at_each_relocation_step_leaves_a_consistent_store(placed, origi
     tier = load_index(store).experts["1:2"].tier
     assert tier == (before if stop in ("copy", "verify") else "hot")
     assert verify_store(store.root)[1] == [] and verify_sharding(store)[1] == []
-    assert_loads_exactly(store, original, 1, 2)
+    for expert in range(4):   # the block's other experts, in the containers rewritten, too
+        assert_loads_exactly(store, original, 1, expert)
 
     relocate(store, 1, 2, "hot")   # the re-run completes the move
     assert load_index(store).experts["1:2"].tier == "hot"
-    assert not (tmp_path / "hdd/experts/tier_cold/group_1/expert_2.safetensors").exists()
+    assert not containers(tmp_path / "hdd", "cold", 1)   # 1:2 was its only expert there
+    named = {r.file for r in load_index(store).experts.values() if r.group == 1}
+    assert [f"experts/tier_hot/{name}" for name in containers(tmp_path / "nvme", "hot", 1)] == sorted(named)
     assert not list((tmp_path / "nvme").rglob(".tmp-*"))
-    assert_loads_exactly(store, original, 1, 2)
+    for expert in range(4):
+        assert_loads_exactly(store, original, 1, expert)
 
 
-def test_corrupt_expert_is_named_on_first_read_and_never_used(placed, tmp_path):
-    store, _ = placed
-    expert = load_expert(store, 1, 2)   # lazy: nothing read yet
-    path = tmp_path / "hdd/experts/tier_cold/group_1/expert_2.safetensors"
+def damage(path, record) -> None:
+    """Flip a bit inside one expert's bytes in its container."""
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01
+    data[record.offset + record.length - 5] ^= 0x01
     path.write_bytes(data)
-    with pytest.raises(StoreCorrupt, match="experts/tier_cold/group_1/expert_2.safetensors fails its checksum"):
+
+
+def test_corrupt_expert_is_named_on_first_read_and_never_used(placed, original, tmp_path):
+    store, _ = placed
+    relocate(store, 1, 3, "cold")   # two experts in the cold container of block 1: 1:3 stays sound
+    expert = load_expert(store, 1, 2)   # lazy: nothing read yet
+    record = expert.record
+    damage(tmp_path / "hdd" / record.file, record)
+    with pytest.raises(StoreCorrupt, match=r"experts/tier_cold/group_1\.2\.experts \(expert 1:2\) fails its checksum"):
         expert.tensors
-    with pytest.raises(StoreCorrupt, match="expert_2.safetensors fails its checksum"):
+    assert_loads_exactly(store, original, 1, 3)   # its neighbour is checked alone, and reads
+    with pytest.raises(StoreCorrupt, match=r"\(expert 1:2\) fails its checksum"):
         relocate(store, 1, 2, "hot")
     assert load_index(store).experts["1:2"].tier == "cold"
-    assert not (tmp_path / "nvme/experts/tier_hot/group_1/expert_2.safetensors").exists()
-    assert [p.reason for p in verify_sharding(store)[1]] == ["checksum mismatch"]
+    assert containers(tmp_path / "nvme", "hot", 1) == [Path(load_index(store).experts["1:0"].file).name]
+    assert [(p.file, p.reason) for p in verify_sharding(store)[1]] == \
+        [(str(tmp_path / "hdd" / record.file), "checksum mismatch in expert 1:2")]
 
 
 def test_experts_over_http(placed, original):
@@ -248,7 +401,9 @@ def test_experts_over_http(placed, original):
         with pytest.raises(InvalidOption, match="outside the store; relocate it"):
             load_expert(remote, 0, 0).tensors
     assert all(torch.equal(got[n], t) for n, t in expected(original, 2, 1).items())
-    assert "/tiers/warm/experts/tier_warm/group_2/expert_1.safetensors" in [r.path for r in log]
+    record = load_index(store).experts["2:1"]
+    assert [(r.path, r.status, r.body_bytes) for r in log if "experts" in r.path] == \
+        [(f"/tiers/warm/{record.file}", 206, record.length)]   # one ranged read of the expert's own bytes
 
 
 @pytest.mark.parametrize("spec", ["hot", "hot=/a,hot=/b", "Hot=/a", "hot="])

@@ -182,18 +182,19 @@ def test_index_edit_is_detected(tmp_path_factory):
 
 
 def test_index_versions_older_are_read_newer_are_refused(tmp_path_factory):
-    """Version 1 (slices without ranges, as shardstream wrote them before) loads; this version writes 2, so
-    that a shardstream reading only 1 refuses the new fields with its sentence; a newer one is refused."""
+    """Version 1 (slices without ranges, as shardstream wrote them before) loads; this version writes 3 (2 since
+    those fields, 3 since expert containers), so that a shardstream reading only an older one refuses it with
+    its sentence; a newer one is refused."""
     root = tiny_store("gpt2", tmp_path_factory)
     store = shardstream.open_store(root)
     export_tp(store, 2)
     path = root / INDEX_NAME
     body = {k: v for k, v in json.loads(path.read_text()).items() if k != "checksum"}
-    assert body["format_version"] == 2
+    assert body["format_version"] == 3
     old = {**body, "format_version": 1,
            "slices": [{k: v for k, v in s.items() if k not in ("ranges", "quant")} for s in body["slices"]]}
     path.write_bytes(canonical_json(sealed(old)))
     assert "transformer.h.1.attn.c_attn.weight" in load_tp(shardstream.open_store(root), "mid/1", 0, 2)
-    path.write_bytes(canonical_json(sealed({**body, "format_version": 3})))
+    path.write_bytes(canonical_json(sealed({**body, "format_version": 4})))
     with pytest.raises(StoreCorrupt, match="sharding.json was written by a newer shardstream; upgrade shardstream"):
         load_tp(shardstream.open_store(root), "mid/1", 0, 2)

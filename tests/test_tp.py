@@ -365,17 +365,17 @@ def test_each_rank_reads_only_its_half_of_the_experts(runs, name):
     assert (experts[0] > 0) == (name != "qwen3_moe-fused")
 
 
-def test_placed_experts_are_read_as_the_rank_s_expert_files_only(runs):
+def test_placed_experts_are_read_as_the_rank_s_experts_only(runs):
     """Experts on tiers (one outside the store), dense slices exported for 2 ranks: each rank writes its own
-    store from its shares of the dense part files and the files of its experts, whatever tier they are on
-    (exported slices do not hold a rank's experts)."""
+    store from its shares of the dense part files and the bytes of its experts in their containers, whatever
+    tier they are on (exported slices do not hold a rank's experts)."""
     stores, _, results = runs
     index = load_index(open_store(stores["mixtral-placed"]))
     assert {r.tier for r in index.experts.values()} == {"hot", "cold"}
     for rank in (0, 1):
-        experts = {r.file for r in index.experts.values() if r.expert // 2 == rank}
+        experts = [r for r in index.experts.values() if r.expert // 2 == rank]
         assert len(experts) == 2 * 3   # 2 experts of each of the 3 blocks
-        expected = _split_bytes(stores["mixtral-placed"], rank) + sum(index.files[f].size for f in experts)
+        expected = _split_bytes(stores["mixtral-placed"], rank) + sum(r.length for r in experts)
         assert results["mixtral-placed"][rank]["share_bytes_read"] == expected
         assert results["mixtral-placed"][rank]["rank_store"] == str(stores["mixtral-placed"] / "tp" / f"rank_{rank}_of_2")
 

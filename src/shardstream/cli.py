@@ -97,10 +97,13 @@ def _print_sharding(opened) -> None:
 
     index = load_index(opened)
     by_tier: dict[str, list[int]] = {}
+    containers: dict[str, set[str]] = {}
     for record in index.experts.values():
-        by_tier.setdefault(record.tier, []).append(index.files[record.file].size)
+        by_tier.setdefault(record.tier, []).append(record.length)
+        containers.setdefault(record.tier, set()).add(record.file)
     for tier, sizes in by_tier.items():
-        console.print(f"experts on tier {tier} ({index.tiers[tier]['root']}): {len(sizes)} files, {sum(sizes):,} bytes")
+        console.print(f"experts on tier {tier} ({index.tiers[tier]['root']}): {len(sizes)} experts in "
+                      f"{len(containers[tier])} files, {sum(sizes):,} bytes")
     for count in sorted({s.count for s in index.slices}):
         console.print(f"tensor-parallel slices: {count} ranks")
 

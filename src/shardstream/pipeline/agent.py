@@ -2,7 +2,7 @@
 
 Control (bearer token on every endpoint): health, capabilities, profiles (compute, disk reads),
 pings, claiming the agent for a coordinator, loading and unloading a stage; health also counts the
-expert files an on-demand MoE stage has read, the blocks a streamed stage reads from disk and the
+experts an on-demand MoE stage has read, the blocks a streamed stage reads from disk and the
 steps run batched. Data: one thread receives activations, runs the loaded stage and pushes the
 result on; single-token steps of several sessions waiting together run as one batched pass. A stage is loaded `metadata_only`
 (downloaded, verified, cached) or materialized: in memory, or streamed (`stream_budget_bytes`) when the plan

@@ -2,8 +2,9 @@
 manifest, and `stage.json`, the stage manifest that lists every file with size and checksum.
 
 A stage of a model whose experts were placed on tiers (`place_experts`) also gets its blocks'
-expert files, wherever their tier is, and its own `sharding.json` naming just those, every tier
-rooted inside the stage folder: the agent reads experts from there, checksum-verified on use.
+expert containers (whole: a container holds one block's experts on one tier), wherever their tier
+is, and its own `sharding.json` naming just those, every tier rooted inside the stage folder: the
+agent reads experts from there, each checksum-verified on use.
 
 The stage id is the checksum of `stage.json`, so an agent that already holds a stage with that id
 (from an earlier plan epoch) need not download it again. Files are hard links into the store where
@@ -62,7 +63,7 @@ def _stage_files(store: Store, first: int, last: int) -> tuple[bytes, dict[str, 
     index = load_index(store)
     experts = {key: r for key, r in index.experts.items() if first <= r.group < last}
     if experts:
-        for record in experts.values():
+        for record in experts.values():   # one entry per container, however many experts it holds
             files[record.file] = {"size": index.files[record.file].size, "xxh3_128": index.files[record.file].xxh3_128}
             sources[record.file] = tier_root(store, index, record.tier) / record.file
         sources[INDEX_NAME] = ShardIndex(

@@ -1,8 +1,9 @@
-"""Storage tiers: defining them, and the copy-and-verify half of moving files between them.
+"""Storage tiers: defining them, and the copy-and-verify half of moving whole parts between them.
 
-Experts (`experts.relocate`) and whole parts (`parts.relocate_part`) move the same way, in
-RELOCATION_STEPS: copy (the source checked against its record) -> verify (re-hash the copy) ->
-index (switch `sharding.json` atomically) -> remove (the other copies). The first two live here.
+Experts (`experts.relocate`) and whole parts (`parts.relocate_part`) move in the same
+RELOCATION_STEPS: copy (the source checked against its record; an expert's block gets new
+containers) -> verify (re-hash what was written) -> index (switch `sharding.json` atomically) ->
+remove (the old copies). A part's first two live here.
 """
 
 from __future__ import annotations

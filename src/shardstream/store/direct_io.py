@@ -1,6 +1,6 @@
 """O_DIRECT reads of store files, for the stream runtime's blocks (stream/direct.py) and for MoE
-expert files (sharding.Expert.read_into): where a filesystem or a buffer refuses O_DIRECT, one
-exception says so, and the caller reads another way."""
+experts (sharding.Expert.read_into: one read each, at its aligned offset in its container): where a
+filesystem or a buffer refuses O_DIRECT, one exception says so, and the caller reads another way."""
 
 from __future__ import annotations
 

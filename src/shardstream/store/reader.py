@@ -63,7 +63,7 @@ class Store:
 
     def part_nbytes(self, part: str) -> int:
         """Stored bytes of the part, its experts stored apart included."""
-        return self._part(part).nbytes + sum(load_index(self).files[r.file].size for r in self._placed(part))
+        return self._part(part).nbytes + sum(r.length for r in self._placed(part))
 
     def part_files(self, part: str) -> list[str]:
         """The manifest files holding the part (names relative to the store; see `file_path`)."""

@@ -5,7 +5,8 @@ is only ever replaced atomically, so an interrupted `shard` or `relocate` leaves
 the new one, never a mix. Files it names are checked against its checksums before use.
 
 A placed expert is stored apart: once `shardstream shard --experts` has finished, its tensors are
-in its tier file only, and `Store.load("mid/<l>")` reads them from there (see `Expert`).
+in its tier's container for its block only, and `Store.load("mid/<l>")` reads them from there (see
+`Expert`): one read of its own bytes, checked against its own checksum.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from ..quant import QuantizedTensor
 from .checksum import checksum_bytes
-from .direct_io import DirectUnsupported, aligned, open_file, read_at
+from .direct_io import ALIGN, DirectUnsupported, aligned, open_file, read_at
 from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
-READ_CHUNK = 64 << 20   # an expert file read in pieces of this size (Expert.read_into)
+READ_CHUNK = 64 << 20   # an expert read in pieces of this size (Expert.read_into)
 
 
 class StoreFiles(Protocol):
@@ -43,9 +44,11 @@ class StoreFiles(Protocol):
 
 
 INDEX_NAME = "sharding.json"
-# 2: slices record `ranges` and `quant` (tensor-parallel shares). Version 1 indexes are read as they are; a
-# shardstream that reads only version 1 refuses a version 2 index with a sentence instead of a traceback.
-INDEX_VERSION = 2
+# 2: slices record `ranges` and `quant` (tensor-parallel shares). 3: experts sit in containers, one per tier
+# and block, and record `offset`, `length` and their own `xxh3_128`. Older indexes are read as they are (an
+# expert record without them is its whole file); a shardstream that reads only an older version refuses a
+# newer index with a sentence instead of a traceback.
+INDEX_VERSION = 3
 
 
 @dataclass
@@ -72,14 +75,28 @@ class SliceRecord:
 
 @dataclass
 class ExpertRecord:
-    """One expert's file: `file` is relative to its tier's root; `hint` is its tier's speed order."""
+    """One expert's bytes: [offset, offset + length) of `file` (its container, relative to its tier's
+    root; in indexes before version 3 a file of its own), checksummed alone by `xxh3_128`; `hint` is its
+    tier's speed order."""
 
     tier: str
     group: int
     expert: int
     file: str
     hint: int
-    tensors: dict[str, dict]   # name -> {dtype, shape, offset, length[, quant]}
+    tensors: dict[str, dict]   # name -> {dtype, shape, offset (from the expert's first byte), length[, quant]}
+    offset: int = 0
+    length: int = 0
+    xxh3_128: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}:{self.expert}"
+
+    @property
+    def span(self) -> FileRecord:
+        """The expert's bytes as a file record (their size and checksum)."""
+        return FileRecord(size=self.length, xxh3_128=self.xxh3_128)
 
 
 @dataclass
@@ -113,6 +130,10 @@ class ShardIndex:
         index.slices = [SliceRecord(**s) for s in body["slices"]]
         index.experts = {k: ExpertRecord(**e) for k, e in body["experts"].items()}
         index.files = {k: FileRecord(**f) for k, f in body["files"].items()}
+        for record in index.experts.values():
+            if not record.xxh3_128:   # written before containers: the expert is its whole file
+                whole = index.files[record.file]
+                record.offset, record.length, record.xxh3_128 = 0, whole.size, whole.xxh3_128
         index.parts = dict(body.get("parts", {}))
         for tier in index.tiers.values():
             if not Path(tier["root"]).is_absolute():
@@ -162,33 +183,35 @@ def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearr
     return data[:got] if got < len(data) else data
 
 
-def _read_plain(path: Path, view: memoryview, drop: bool) -> int:
-    """Read the file into `view` in READ_CHUNK pieces, each one's pages dropped from the page cache when
-    `drop`; returns the bytes read."""
+def _read_plain(path: Path, view: memoryview, offset: int, drop: bool) -> int:
+    """Read the file from `offset` into `view` in READ_CHUNK pieces, each one's pages dropped from the page
+    cache when `drop`; returns the bytes read."""
     with open(path, "rb", buffering=0) as handle:
+        handle.seek(offset)
         done = 0
         while done < len(view):
             got = handle.readinto(view[done:done + READ_CHUNK])
             if not got:
                 break
             if drop:
-                os.posix_fadvise(handle.fileno(), done, got, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(handle.fileno(), offset + done, got, os.POSIX_FADV_DONTNEED)
             done += got
     return done
 
 
-def _read_direct(path: Path, buffer, size: int) -> int | None:
-    """Read the file's `size` bytes into `buffer` with O_DIRECT; None where that cannot be (no O_DIRECT
-    on this system or filesystem, a buffer not page-aligned or too short for the page-rounded size)."""
+def _read_direct(path: Path, buffer, offset: int, size: int) -> int | None:
+    """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT; None where that cannot
+    be (no O_DIRECT on this system or filesystem, a buffer not page-aligned or too short for the page-rounded
+    size)."""
     view = memoryview(buffer)[:aligned(size)]
-    if not hasattr(os, "O_DIRECT") or len(view) < aligned(size):
+    if not hasattr(os, "O_DIRECT") or len(view) < aligned(size) or offset % ALIGN:
         return None
     try:
         fd = open_file(path)
     except DirectUnsupported:
         return None
     try:
-        return min(read_at(fd, path, view, 0), size)
+        return min(read_at(fd, path, view, offset), size)
     except DirectUnsupported:   # the buffer's address is not aligned, or the read was refused
         return None
     finally:
@@ -196,11 +219,11 @@ def _read_direct(path: Path, buffer, size: int) -> int | None:
 
 
 def checked(data: bytes, record: FileRecord, where: str) -> bytes:
-    """`data` if it matches its index record; a corrupt file is named and never used."""
+    """`data` if it matches its index record; a corrupt file (or expert) is named and never used."""
     if len(data) != record.size or checksum_bytes(data) != record.xxh3_128:
         raise StoreCorrupt(
             f"{where} fails its checksum and is not used; rewrite a TP slice with `shardstream shard --tp`, "
-            "restore an expert file from a backup (or rebuild: `shardstream convert`, then `shard --experts`)."
+            "restore an expert container from a backup (or rebuild: `shardstream convert`, then `shard --experts`)."
         )
     return data
 
@@ -219,7 +242,7 @@ def placed_in(store: StoreFiles, layer: int) -> list[ExpertRecord]:
 
 
 class Expert:
-    """One placed expert; its file is read and checksum-verified on first use of `tensors`."""
+    """One placed expert; its bytes are read and checksum-verified on first use of `tensors`."""
 
     def __init__(self, store: StoreFiles, index: ShardIndex, record: ExpertRecord):
         self.store, self.index, self.record = store, index, record
@@ -234,22 +257,28 @@ class Expert:
         return self._decode(self.contents(verify), dequantize)
 
     def _decode(self, data, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
-        """The expert's tensors from its file's bytes: views of them where stored plainly, else dequantized
+        """The expert's tensors from its bytes: views of them where stored plainly, else dequantized
         (or, not `dequantize`, their codes and scales viewing the bytes)."""
         return {n: decode_tensor(data, 0, TensorRecord(part="", file=self.record.file, **r), dequantize)
                 for n, r in self.record.tensors.items()}
 
+    @property
+    def nbytes(self) -> int:
+        """The expert's bytes in its container: what one read of it fetches."""
+        return self.record.length
+
     def where(self) -> str:
-        return str(PurePosixPath(self.index.tiers[self.record.tier]["root"]) / self.record.file)
+        """Its container and its key, e.g. `experts/tier_hot/group_0.1.experts (expert 0:3)`."""
+        file = PurePosixPath(self.index.tiers[self.record.tier]["root"]) / self.record.file
+        return f"{file} (expert {self.record.key})"
 
     def contents(self, verify: bool) -> bytearray:
-        """The file's bytes, checked against the index when `verify` (else only their length)."""
+        """The expert's bytes, checked against the index when `verify` (else only their length)."""
         data = self.raw()
-        expected = self.index.files[self.record.file]
         if verify:
-            checked(data, expected, self.where())
-        elif len(data) != expected.size:
-            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {expected.size} its index says; "
+            checked(data, self.record.span, self.where())
+        elif len(data) != self.record.length:
+            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {self.record.length} its index says; "
                                "run `shardstream verify --parts experts`.")
         return data
 
@@ -259,36 +288,37 @@ class Expert:
         return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
     def read_into(self, buffer, drop: bool = False, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
-        """The expert's tensors, viewing `buffer` (a writable buffer of at least the file's size: reused, it
-        costs no page faults) where they are stored plainly, checksum-verified.
+        """The expert's tensors, viewing `buffer` (a writable buffer of at least `nbytes`: reused, it costs
+        no page faults) where they are stored plainly, checksum-verified.
 
         `drop` (the experts outgrow memory, so every one is read again anyway, and under a cap that counts
         the page cache kept pages are reclaim to pay for): past the page cache, with O_DIRECT when `buffer`
-        is page-aligned and of the file's page-rounded size (stream/direct.py's read buffers: huge pages,
-        no copy on the CPU), else in READ_CHUNK pieces each dropped from the page cache once read."""
-        expected = self.index.files[self.record.file]
+        is page-aligned and of the expert's page-rounded size (stream/direct.py's read buffers: huge pages,
+        no copy on the CPU; containers align every expert for it), else in READ_CHUNK pieces each dropped
+        from the page cache once read."""
+        record = self.record
         try:
-            done = _read_direct(self.path, buffer, expected.size) if drop else None
+            done = _read_direct(self.path, buffer, record.offset, record.length) if drop else None
             if done is None:
-                done = _read_plain(self.path, memoryview(buffer)[:expected.size], drop)
+                done = _read_plain(self.path, memoryview(buffer)[:record.length], record.offset, drop)
         except FileNotFoundError:
             raise _missing(self.path) from None
-        view = memoryview(buffer)[:expected.size]
-        checked(view[:done], expected, self.where())
+        view = memoryview(buffer)[:record.length]
+        checked(view[:done], record.span, self.where())
         return self._decode(view, dequantize)
 
     def raw(self) -> bytearray:
-        """The file's bytes, unchecked."""
+        """The expert's bytes (one read at its offset in its container), unchecked."""
         record = self.record
         root = self.index.tiers[record.tier]["root"]
         if not Path(root).is_absolute():
-            return self.store.read_raw(str(PurePosixPath(root) / record.file))
+            return self.store.read_raw(str(PurePosixPath(root) / record.file), record.offset, record.length)
         if self.store.remote:
             raise InvalidOption(
-                f"expert {record.group}:{record.expert} is on tier {record.tier!r} at {root}, outside the store; "
+                f"expert {record.key} is on tier {record.tier!r} at {root}, outside the store; "
                 "relocate it to a tier inside the store to serve it over HTTP."
             )
-        return read_path(Path(root) / record.file)
+        return read_path(Path(root) / record.file, record.offset, record.length)
 
 
 def load_expert(store: StoreFiles, layer: int, expert: int) -> Expert:

@@ -6,10 +6,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checksum import checksum_file
+from .checksum import checksum_bytes, checksum_file
 from .manifest import FileRecord, load_manifest
 from .reader import Store
-from .sharding import load_index, tier_root
+from .sharding import Expert, ShardIndex, load_index, tier_root
+
+MISMATCH = "checksum mismatch"
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ def verify_store(root: Path, parts: list[str] | None = None) -> tuple[int, list[
 
 
 def verify_sharding(store: Store) -> tuple[int, list[Problem]]:
-    """Like `verify_store`, for every TP slice and expert file the sharding index names."""
+    """Like `verify_store`, for every TP slice and expert container the sharding index names; a container
+    that fails its checksum is reported once for each expert in it whose own bytes fail theirs."""
     index = load_index(store)
     root = Path(store.root)
     locations = {name: root / name for name in {s.file for s in index.slices}}
@@ -47,8 +50,20 @@ def verify_sharding(store: Store) -> tuple[int, list[Problem]]:
     hashed, problems = 0, []
     for name, path in sorted(locations.items()):
         size, problem = _check(path, index.files[name], root)
-        hashed, problems = hashed + size, problems + ([problem] if problem else [])
+        found = [problem] if problem else []
+        if problem and problem.reason == MISMATCH:
+            found = _damaged_experts(store, index, name, problem) or found
+        hashed, problems = hashed + size, problems + found
     return hashed, problems
+
+
+def _damaged_experts(store: Store, index: ShardIndex, file: str, problem: Problem) -> list[Problem]:
+    """The experts of container `file` whose bytes fail their own checksums, one problem each."""
+    bad = []
+    for record in sorted(index.experts.values(), key=lambda r: (r.group, r.expert)):
+        if record.file == file and checksum_bytes(Expert(store, index, record).raw()) != record.xxh3_128:
+            bad.append(Problem(problem.file, f"{MISMATCH} in expert {record.key}"))
+    return bad
 
 
 def _check(path: Path, record: FileRecord, root: Path) -> tuple[int, Problem | None]:
@@ -60,5 +75,5 @@ def _check(path: Path, record: FileRecord, root: Path) -> tuple[int, Problem | N
     if size != record.size:
         return 0, Problem(shown, f"{size} bytes, {record.size} expected")
     if checksum_file(path) != record.xxh3_128:
-        return size, Problem(shown, "checksum mismatch")
+        return size, Problem(shown, MISMATCH)
     return size, None

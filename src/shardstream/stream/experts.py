@@ -109,7 +109,7 @@ class OnDemandExperts:
     """Serves each MoE block's experts module from the experts routed to in this pass, read on demand and
     multiplied from their stored bytes; those worth keeping stay in an `ExpertCache` of `budget` bytes.
 
-    `loads` counts expert files read and `bytes_read` their bytes; `cache.stats` the routings served from
+    `loads` counts experts read and `bytes_read` their bytes; `cache.stats` the routings served from
     memory and those that read.
     """
 
@@ -122,7 +122,7 @@ class OnDemandExperts:
         self.bytes_read = 0
         self.read_ahead = True   # the next expert's file read while one multiplies (fit)
         self.drop_pages = False   # set when the experts do not all fit in memory
-        self._buffers = BufferPool()   # expert files are read into these
+        self._buffers = BufferPool()   # experts are read into these
         self._counting = threading.Lock()
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         index = load_index(store)
@@ -145,7 +145,7 @@ class OnDemandExperts:
             raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
         mine = [r for r in placed.values() if r.group in by_layer]
-        self._file_bytes = max(index.files[r.file].size for r in mine)
+        self._file_bytes = max(r.length for r in mine)   # the largest expert's bytes: one read's buffer
         self._blocks: dict[int, _Block] = {}
         for layer, names in by_layer.items():
             modules = {target.rpartition(".")[0] for target in mapper.target_names(sorted(names))}
@@ -250,7 +250,7 @@ class OnDemandExperts:
             raise
         with self._counting:   # reads run on two threads
             self.loads += 1
-            self.bytes_read += placed.index.files[placed.record.file].size
+            self.bytes_read += placed.nbytes
         block = self._blocks[layer]
         weights = {block.roles[name]: self._placed(tensor, block.dtype) for name, tensor in tensors.items()}
         parts = [part for weight in weights.values() for part in quant.held_by(weight)]
