@@ -180,11 +180,14 @@ def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path,
     return {kind: files[kind] for kind in types}
 
 
-def bench_command(binaries: Path, model: Path, mmap: bool, prompt: int, new_tokens: int, prefill: int) -> list[str]:
+def bench_command(binaries: Path, model: Path, mmap: bool, prompt: int, new_tokens: int, prefill: int,
+                  repack: bool = True) -> list[str]:
     """llama-bench on 2 threads, one repetition after its warm-up: a `prefill`-token prompt and `new_tokens`
-    decode steps, both after `prompt` tokens already in the KV cache (its depth, untimed), as JSON."""
+    decode steps, both after `prompt` tokens already in the KV cache (its depth, untimed), as JSON. `repack`
+    False: quantized weights multiplied as stored, not moved to ggml's AMX or repacked buffers."""
     return [str(binaries / "llama-bench"), "-m", str(model), "-t", "2", "-p", str(prefill), "-n", str(new_tokens),
-            "-d", str(prompt), "-r", "1", "-lm", "mmap" if mmap else "none", "-o", "json"]
+            "-d", str(prompt), "-r", "1", "-lm", "mmap" if mmap else "none", *([] if repack else ["--repack", "0"]),
+            "-o", "json"]
 
 
 def bench_result(stdout: str) -> dict:

@@ -84,13 +84,14 @@ class Setting:
     runtime: str          # "llama.cpp" or "shardstream"
     kind: str             # a GGUF type (_llamacpp.GGUF_TYPES) or a shardstream --compression value
     mmap: bool = True     # llama.cpp: mapped (its default) or read into memory (-lm none)
+    repack: bool = True   # llama.cpp: quantized weights in its AMX or repacked buffers (its default) or as stored
 
     @property
     def name(self) -> str:
         if self.runtime == "shardstream":
             return f"shardstream, {'bf16' if self.kind == 'none' else self.kind} store"
         kind = self.kind.upper() if self.kind != "bf16" else self.kind
-        return f"llama.cpp {kind} GGUF{'' if self.mmap else ', -lm none (no mmap)'}"
+        return f"llama.cpp {kind} GGUF{'' if self.mmap else ', -lm none (no mmap)'}{'' if self.repack else ', --repack 0'}"
 
 
 def gguf_peer(compression: str) -> str | None:
@@ -101,12 +102,13 @@ def gguf_peer(compression: str) -> str | None:
     return "bf16" if compression == "none" else {8: "q8_0", 4: "q4_0"}.get(CODE_BITS.get(compression))
 
 
-def settings(compressions: list[str], section: str, gguf_types: tuple[str, ...] = _llamacpp.GGUF_TYPES) -> list[Setting]:
+def settings(compressions: list[str], section: str, gguf_types: tuple[str, ...] = _llamacpp.GGUF_TYPES,
+             repacks: tuple[bool, ...] = (True,)) -> list[Setting]:
     """llama.cpp's settings each followed by the shardstream stores compared with it, then the stores without a peer
-    (among `gguf_types`)."""
+    (among `gguf_types`); a quantized type once per `repacks` value (llama-bench's --repack)."""
     ordered = []
     for kind in gguf_types:
-        ordered.append(Setting("llama.cpp", kind))
+        ordered += [Setting("llama.cpp", kind, repack=repack) for repack in (repacks if kind != "bf16" else (True,))]
         if kind == "bf16" and section == "capped":
             ordered.append(Setting("llama.cpp", kind, mmap=False))
         ordered += [Setting("shardstream", c) for c in compressions if gguf_peer(c) == kind]
@@ -232,7 +234,11 @@ def capped(command: list[str], limit: str, cold: Path, timeout: int,
             phases = re.findall(r"^phase: (.+)$", stderr, re.MULTILINE)
             return "killed (out of memory)" + (f" while {phases[-1]}" if phases else "")
         lines = [line for line in stderr.strip().splitlines() if not line.startswith("memcap:")] or ["?"]
-        return f"failed: {lines[-1][:120]}"
+        steps = [line for line in lines if line.startswith(("llama-bench: benchmark ", "phase: "))]
+        number = -process.returncode if process.returncode < 0 else process.returncode - 128
+        if number in set(signal.valid_signals()) - {signal.SIGKILL}:   # a crash: say which signal, and where
+            return f"failed: {signal.Signals(number).name}" + (f" ({steps[-1][:120]})" if steps else "")
+        return f"failed: {([line for line in lines if line not in steps] or lines)[-1][:120]}"
     peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", stderr)
     return stdout, peak.group(1) if peak else ""
 
@@ -252,7 +258,7 @@ def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
             return f"not run: {llama['reason']}"
         model = llama["gguf"][setting.kind]
         command = _llamacpp.bench_command(llama["bin"], model, setting.mmap, args.prompt, args.new_tokens,
-                                          args.prefill_tokens)
+                                          args.prefill_tokens, setting.repack)
         ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout)
         return {**_llamacpp.bench_result(ran[0]), "peak": ran[1]} if isinstance(ran, tuple) else ran
     command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
@@ -307,11 +313,12 @@ def tables(results: dict[tuple[str, Setting], list[dict | str]], sections: list[
     ratio_rows = []
     for section in sections:
         for compression in (c for c in compressions if gguf_peer(c)):
-            store, peer = Setting("shardstream", compression), Setting("llama.cpp", gguf_peer(compression))
-            ours, theirs = results.get((section, store)), results.get((section, peer))
-            if ours and theirs:
-                ratio_rows.append([labels[section], f"{store.name} / {peer.name}",
-                                   *(ratio_cell(ours, theirs, key) for key in ("decode", "prefill", "peak"))])
+            store = Setting("shardstream", compression)
+            for peer in (Setting("llama.cpp", gguf_peer(compression), repack=repack) for repack in (True, False)):
+                ours, theirs = results.get((section, store)), results.get((section, peer))
+                if ours and theirs:
+                    ratio_rows.append([labels[section], f"{store.name} / {peer.name}",
+                                       *(ratio_cell(ours, theirs, key) for key in ("decode", "prefill", "peak"))])
     header = ["section", "setting", "decode tok/s", "prefill tok/s", "cgroup peak", "MB read from disk a decode step",
               *(["routings served by the expert cache (decode)"] if experts else []), "shardstream computes in"]
     return (markdown_table(header, rows)
@@ -370,6 +377,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", choices=("greedy", "random"),
                         help="what shardstream's decode steps feed: the greedy token, or random ones as llama-bench "
                              "does (default: random for an MoE shape, greedy otherwise)")
+    parser.add_argument("--repack", default="1", choices=("1", "0", "1,0"),
+                        help="llama-bench's --repack for quantized GGUF types (1: its default, quantized weights in "
+                             "its AMX or repacked buffers; 0: as stored, mapped; 1,0: both)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every setting, interleaved")
     parser.add_argument("--workdir", default="artifacts/bench-llamacpp",
                         help="checkpoint, stores, GGUF files and the llama.cpp build (llama.cpp/), all reused")
@@ -417,7 +427,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     for round_ in range(1, args.rounds + 1):
         for section in sections:
-            for setting in settings(compressions, section, args.gguf_types):
+            for setting in settings(compressions, section, args.gguf_types, tuple(r == "1" for r in args.repack.split(","))):
                 result = measure(setting, section, args, llama)
                 if isinstance(result, dict):
                     result["new_tokens"] = args.new_tokens

@@ -91,13 +91,29 @@ def test_an_moe_shape_takes_its_own_cap_and_gguf_types_and_reports_its_expert_ca
 
 def test_gguf_types_left_out_leave_their_stores_without_a_peer():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from llamacpp import default_cap, is_moe, settings
+    from llamacpp import capped, default_cap, is_moe, settings
 
     ordered = [(s.runtime, s.kind, s.mmap) for s in settings(["none", "8bit", "4bit"], "memory", ("bf16", "q4_0"))]
     assert ordered == [("llama.cpp", "bf16", True), ("shardstream", "none", True), ("llama.cpp", "q4_0", True),
                        ("shardstream", "4bit", True), ("shardstream", "8bit", True)]
+    both = settings(["4bit"], "capped", ("bf16", "q4_0"), (True, False))
+    assert [s.name for s in both] == ["llama.cpp bf16 GGUF", "llama.cpp bf16 GGUF, -lm none (no mmap)", "llama.cpp Q4_0 GGUF",
+                                      "llama.cpp Q4_0 GGUF, --repack 0", "shardstream, 4bit store"]
     assert [is_moe(s) for s in ("llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b")] == [False, True, True]
     assert [default_cap(s) for s in ("llama-3.2-1b", "qwen3-30b-a3b")] == ["1200M", "2000M"]
+
+
+def test_a_crash_under_the_cap_names_its_signal_and_the_step_it_was_in(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import llamacpp
+
+    fake = tmp_path / "memcap"   # passes the command's status on, as memcap does
+    fake.write_text("#!/bin/sh\nshift 4\n\"$@\"\nrc=$?\necho 'memcap: limit 1.0G, peak 10M, cap hit 0' >&2\nexit $rc\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(llamacpp, "MEMCAP", fake)
+    crash = "echo 'llama-bench: benchmark 1/2: warmup prompt run' >&2; kill -SEGV $$"
+    assert llamacpp.capped(["sh", "-c", crash], "1G", tmp_path, 60) == "failed: SIGSEGV (llama-bench: benchmark 1/2: warmup prompt run)"
+    assert llamacpp.capped(["sh", "-c", "echo 'bad model' >&2; exit 1"], "1G", tmp_path, 60) == "failed: bad model"
 
 
 def test_llama_bench_reads_are_counted_from_its_generation_run(tmp_path):
