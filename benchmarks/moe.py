@@ -49,7 +49,7 @@ def build(args) -> dict[str, Path]:
     if not (ckpt / "config.json").exists():
         write_checkpoint(args.shape, ckpt, args.layers)
     stores = {}
-    for kind in args.stores.split(","):
+    for kind in filter(None, args.stores.split(",")):
         store = work / f"store-{kind}"
         if not (store / "manifest.json").exists():
             convert(ckpt, store, compression=None if kind == "bf16" else kind, progress=False)
@@ -64,15 +64,13 @@ def run_one(store_path: Path, cache: str, args) -> dict:
     import torch
 
     import shardstream.stream.experts as experts
-    from shardstream.shard import load_index
     from shardstream.store import open_store
     from shardstream.stream import StreamingModel
 
     if cache == "lru":
         experts.HALF_LIFE = 0
     store = open_store(store_path)
-    index = load_index(store)
-    expert_bytes = sum(record.length for record in index.experts.values())
+    expert_bytes = experts_bytes(store_path)
     budget = 0 if cache == "none" else expert_bytes // 8
     started = time.perf_counter()
     model = StreamingModel(store, experts="on_demand", max_expert_memory=budget)
@@ -99,6 +97,15 @@ def run_one(store_path: Path, cache: str, args) -> dict:
             "head_bytes": head, "hit_rate": (stats.hits - hits) / routings if routings else 0.0,
             "budget": model.experts.budget, "experts_total": expert_bytes, "resident": len(model.resident_blocks),
             "compute": str(model.model.dtype).removeprefix("torch.")}
+
+
+def experts_bytes(store_path: Path) -> int:
+    """The bytes of the store's placed experts (each its own, not its container's): an eighth of them is the
+    cache's budget here."""
+    from shardstream.shard import load_index
+    from shardstream.store import open_store
+
+    return sum(record.length for record in load_index(open_store(store_path)).experts.values())
 
 
 def child(args, store: Path, cache: str) -> dict | str:

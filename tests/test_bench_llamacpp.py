@@ -69,3 +69,67 @@ def test_stores_are_paired_with_the_gguf_type_of_their_bits():
                        ("llama.cpp", "q8_0", True), ("llama.cpp", "q4_0", True), ("shardstream", "4bit", True),
                        ("shardstream", "int4", True), ("shardstream", "mixed", True)]
     assert Setting("shardstream", "none").name == "shardstream, bf16 store"
+
+
+def test_an_moe_shape_takes_its_own_cap_and_gguf_types_and_reports_its_expert_cache(tmp_path):
+    missing = tmp_path / "no-such-build"
+    run = bench("--shape", "qwen3-30b-a3b", "--layers", "1", "--llamacpp", str(missing), "--sections", "capped",
+                "--gguf-types", "bf16,q4_0", "--shardstream-compressions", "", "--rounds", "1",
+                "--workdir", str(tmp_path / "work"))
+    assert run.returncode == 0, run.stderr
+    rows = llama_rows(run.stdout)
+    assert [row.split("|")[2].strip() for row in rows] == ["llama.cpp bf16 GGUF", "llama.cpp bf16 GGUF, -lm none (no mmap)",
+                                                           "llama.cpp Q4_0 GGUF"]
+    assert all("under memcap 2000M" in row for row in rows)
+    assert "routings served by the expert cache (decode)" in run.stdout
+    assert "Decode: 16 random steps" in run.stdout and "Model: qwen3-30b-a3b-shaped" in run.stdout
+    assert not (tmp_path / "work").exists()
+    run = bench("--gguf-types", "bf16,q5_k", "--workdir", str(tmp_path))
+    assert run.returncode == 2
+    assert "--gguf-types: unknown q5_k; choose from bf16, q8_0, q4_0" in run.stderr
+
+
+def test_gguf_types_left_out_leave_their_stores_without_a_peer():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llamacpp import capped, default_cap, is_moe, settings
+
+    ordered = [(s.runtime, s.kind, s.mmap) for s in settings(["none", "8bit", "4bit"], "memory", ("bf16", "q4_0"))]
+    assert ordered == [("llama.cpp", "bf16", True), ("shardstream", "none", True), ("llama.cpp", "q4_0", True),
+                       ("shardstream", "4bit", True), ("shardstream", "8bit", True)]
+    both = settings(["4bit"], "capped", ("bf16", "q4_0"), (True, False))
+    assert [s.name for s in both] == ["llama.cpp bf16 GGUF", "llama.cpp bf16 GGUF, -lm none (no mmap)", "llama.cpp Q4_0 GGUF",
+                                      "llama.cpp Q4_0 GGUF, --repack 0", "shardstream, 4bit store"]
+    assert [is_moe(s) for s in ("llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b")] == [False, True, True]
+    assert [default_cap(s) for s in ("llama-3.2-1b", "qwen3-30b-a3b")] == ["1200M", "2000M"]
+
+
+def test_a_crash_under_the_cap_names_its_signal_and_the_step_it_was_in(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import llamacpp
+
+    fake = tmp_path / "memcap"   # passes the command's status on, as memcap does
+    fake.write_text("#!/bin/sh\nshift 4\n\"$@\"\nrc=$?\necho 'memcap: limit 1.0G, peak 10M, cap hit 0' >&2\nexit $rc\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(llamacpp, "MEMCAP", fake)
+    crash = "echo 'llama-bench: benchmark 1/2: warmup prompt run' >&2; kill -SEGV $$"
+    assert llamacpp.capped(["sh", "-c", crash], "1G", tmp_path, 60) == "failed: SIGSEGV (llama-bench: benchmark 1/2: warmup prompt run)"
+    assert llamacpp.capped(["sh", "-c", "echo 'bad model' >&2; exit 1"], "1G", tmp_path, 60) == "failed: bad model"
+
+
+def test_llama_bench_reads_are_counted_from_its_generation_run(tmp_path):
+    """`_llamacpp.py` as the benchmark runs it: a stand-in for llama-bench that announces its runs on stderr."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "echo 'llama-bench: benchmark 1/2: warmup generation run' >&2\n"
+                    "echo 'llama-bench: benchmark 2/2: generation run 1/1' >&2\n"
+                    "echo '[{\"n_gen\": 0, \"avg_ts\": 50.0}, {\"n_gen\": 16, \"avg_ts\": 5.0}]'\n")
+    fake.chmod(0o755)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_llamacpp.py"), str(fake)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _llamacpp import bench_result
+
+    result = bench_result(run.stdout)
+    assert result["prefill"] == 50.0 and result["decode"] == 5.0 and result["decode_read"] >= 0
+    assert bench_result('[{"n_gen": 16, "avg_ts": 5.0}]') == {"decode": 5.0}
