@@ -61,21 +61,16 @@ def check_device(device: str) -> None:
             raise InvalidOption(f"--device {device} was given but CUDA is not available here; use --device cpu.")
 
 
-def open_model(source: str, store_path: str | None, max_resident_memory: str, device: str,
-               profile: bool = False, progress: bool = True, batch_size: int = 1,
-               max_host_memory: str = "auto", converting: Converting | None = None,
-               compute_dtype: str = "auto", experts: str = "with-block", role: str = "") -> StreamingModel:
-    """Validate the options first (cheap), then load or convert the model (with `converting`'s
-    options, which mean what they mean to `shardstream convert`), with the engine options the command's
-    give for `batch_size` sequences at once (`command_options`). `role` ("draft") names the model in the
-    lines it prints."""
+def open_model(source: str, store_path: str | None, options: EngineOptions, device: str, progress: bool = True,
+               converting: Converting | None = None, role: str = "") -> StreamingModel:
+    """Load or convert the model (with `converting`'s options, which mean what they mean to `shardstream
+    convert`) and open it with `options` (`command_options`: the command's, for its batch size). `role`
+    ("draft") names the model in the lines it prints."""
     check_device(device)
-    options = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts, profile,
-                              batch_size)
     from .auto import AutoModel
 
     converting = converting or Converting()
-    with _compute_dtype_to_stderr(compute_dtype, role):
+    with _compute_dtype_to_stderr(options.compute_dtype, role):
         return AutoModel.from_pretrained(source, layer_shards_saving_path=store_path, device=device,
                                          sequential_shard_processing=converting.sequential,
                                          compression=compression(converting.compression),
@@ -85,13 +80,14 @@ def open_model(source: str, store_path: str | None, max_resident_memory: str, de
 
 def command_options(max_resident_memory: str, max_host_memory: str, device: str, compute_dtype: str = "auto",
                     experts: str = "with-block", profile: bool = False, batch_size: int = 1) -> EngineOptions:
-    """The engine options of a command's --max-resident-memory, --max-host-memory, --compute-dtype and
-    --experts, for a model that runs `batch_size` sequences at once (EngineOptions.for_batch): one
-    process's, or one tensor-parallel rank's (whose `auto` is its share of the machine,
-    residency.resolve_budget)."""
+    """The engine options of a command's --max-resident-memory, --max-host-memory, --compute-dtype,
+    --experts and --profile, checked before anything is read, for a model that runs `batch_size` sequences
+    at once (EngineOptions.for_batch): one process's, or one tensor-parallel rank's (whose `auto` is its
+    share of the machine, residency.resolve_budget)."""
     from ..stream.compute_dtype import parse_compute_dtype
     from ..stream.engine_options import EngineOptions
 
+    check_device(device)
     if experts not in EXPERT_OPTIONS:
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
     parse_compute_dtype(compute_dtype, "--compute-dtype")

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
 from .cli import Converting, open_model
+from ..stream.engine_options import EngineOptions
 from ..stream.model import StreamingModel
 from ..serving.text import load_tokenizer
 
@@ -21,11 +22,11 @@ STREAMED_DRAFT_TOKENS = 8   # against the adaptive schedule: benchmarks/stream.p
 
 
 def open_draft(source: str, device: str, draft_tokens: int | None, progress: bool,
-               target: StreamingModel | None = None, compute_dtype: str = "auto",
-               converting: Converting | None = None) -> StreamingModel:
+               target: StreamingModel | None = None, converting: Converting | None = None) -> StreamingModel:
     """The draft is small: 'auto' keeps all of its blocks in memory when they fit. It is opened with the
-    model's options: `compute_dtype`, and `converting`'s token, compression and --sequential when it is a
-    checkpoint or a Hub id (not its revision, which names one of the model's).
+    target's options: its compute dtype and checksums (its memory budgets are its own), and `converting`'s
+    token, compression and --sequential when it is a checkpoint or a Hub id (not its revision, which names
+    one of the model's).
 
     `draft_tokens` N = always propose N. None: when the target streams blocks, every pass costs a
     read of them, which a longer guess shares, so a fixed STREAMED_DRAFT_TOKENS; when all its blocks
@@ -36,8 +37,9 @@ def open_draft(source: str, device: str, draft_tokens: int | None, progress: boo
     if draft_tokens is None and target is not None and streams_blocks(target):
         draft_tokens = STREAMED_DRAFT_TOKENS
     converting = converting or Converting()
-    draft = open_model(source, None, "auto", device, progress=progress, compute_dtype=compute_dtype,
-                       converting=replace(converting, revision=None), role="draft")
+    given = target.options if target is not None else EngineOptions()
+    engine = EngineOptions(compute_dtype=given.compute_dtype, verify_checksums=given.verify_checksums)
+    draft = open_model(source, None, engine, device, progress, replace(converting, revision=None), role="draft")
     config = draft.generation_config
     config.num_assistant_tokens = draft_tokens or 5
     config.num_assistant_tokens_schedule = "constant" if draft_tokens else "heuristic"

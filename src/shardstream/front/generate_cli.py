@@ -4,14 +4,18 @@ in batches into a JSON-lines file; optionally with a draft model for speculative
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ..errors import InvalidOption
 from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, real_number, refuse_tp_cache,
                        whole_number)
-from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, open_model, refuse_experts_with_tp
+from .cli import (ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, command_options, open_model,
+                  refuse_experts_with_tp)
+
+if TYPE_CHECKING:
+    from ..stream.engine_options import EngineOptions
 
 
 def generate_command(
@@ -74,10 +78,9 @@ def generate_command(
         from ..serving.offline import answer_file, pending
 
         prompts, done = pending(prompts_file, output, batch_size)
-        with rerun_continues(), open_model(
-                source, store_path, max_resident_memory, device, False, not no_progress,
-                batch_size=min(batch_size, max(1, len(prompts) - done)), max_host_memory=max_host_memory,
-                converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
+        engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts,
+                                 batch_size=min(batch_size, max(1, len(prompts) - done)))
+        with rerun_continues(), open_model(source, store_path, engine, device, not no_progress, converting) as model:
             answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
                 max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
                 seed, not no_progress)
@@ -85,9 +88,9 @@ def generate_command(
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
     _check_utf8(prompt)
+    engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts, profile)
     _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
-                max_resident_memory, device, store_path, profile, not no_progress, max_host_memory, converting,
-                compute_dtype, experts)
+                engine, device, store_path, not no_progress, converting)
 
 
 def _check_utf8(prompt: str) -> None:
@@ -102,8 +105,8 @@ def _check_utf8(prompt: str) -> None:
 
 def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                 seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
-                max_resident_memory: str, device: str, store_path: str | None, profile: bool, progress: bool,
-                max_host_memory: str, converting: Converting, compute_dtype: str, experts: str) -> None:
+                engine: EngineOptions, device: str, store_path: str | None, progress: bool,
+                converting: Converting) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -112,17 +115,15 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
     with ExitStack() as stack:
-        model = stack.enter_context(open_model(source, store_path, max_resident_memory, device, profile, progress,
-                                               max_host_memory=max_host_memory, converting=converting,
-                                               compute_dtype=compute_dtype, experts=experts))
+        model = stack.enter_context(open_model(source, store_path, engine, device, progress, converting))
         tokenizer = load_tokenizer(model)
         inputs = encode(tokenizer, prompt)
         options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
         if stops:
             options.update(stop_strings=stops, tokenizer=tokenizer)
         if draft is not None:
-            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, compute_dtype, converting))))
+            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, converting))))
         set_seed(seed)
         out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops))
-        if profile:
+        if engine.profiling_mode:
             print(PassReport(out.shape[1] - inputs["input_ids"].shape[1], model.forward_passes).line(), file=sys.stderr)

@@ -21,7 +21,8 @@ from ..sizes import parse_size
 from ..serving.endpoint import (Endpoint, bind, log_batch_bounds, read_template, say, say_resident, server_class,
                                 stop_on_signals)
 from ..switches import API_KEY
-from .cli import ComputeDtype, Converting, Device, Experts, HostMemory, Source, open_model, refuse_experts_with_tp
+from .cli import (ComputeDtype, Converting, Device, Experts, HostMemory, Source, command_options, open_model,
+                  refuse_experts_with_tp)
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
 STOP_S = 10.0          # how long a stop waits for the last replies, then for the engine's step in progress
@@ -88,6 +89,8 @@ def serve_command(
     refuse_tp_cache(tp_cache)
     if tp_timeout is not None:
         raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
+    options = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts,
+                              batch_size=max_batch_size)
     listener = bind(host, port)
     import uvicorn
 
@@ -96,9 +99,7 @@ def serve_command(
     from ..serving.text import eos_ids, load_tokenizer, pad_id
 
     log_batch_bounds()
-    with listener, open_model(source, store_path, max_resident_memory, device, progress=not no_progress,
-                              batch_size=max_batch_size, max_host_memory=max_host_memory,
-                              converting=converting, compute_dtype=compute_dtype, experts=experts) as model:
+    with listener, open_model(source, store_path, options, device, not no_progress, converting) as model:
         say_resident(model)
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),

@@ -46,11 +46,10 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
         raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
     import torch.distributed as dist
 
-    from .cli import check_device, command_options
+    from .cli import command_options
     from ..serving.stops import stop_streamer
     from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
 
-    check_device(device)
     engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
     with open_rank(source, store_path, device, converting, progress, engine, tp_cache) as model:
         tokenizer = load_tokenizer(model)

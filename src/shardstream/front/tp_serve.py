@@ -37,7 +37,6 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, compute_dtype: str, s
     """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel` (its options checked); each rank
     streams its shares within the memory serve's one process takes for the same batches (command_options),
     out of the rank's share of the machine."""
-    check_device(device)
     command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # refused before the ranks join
     check_torchrun()
 
