@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
-from .cli import Converting, check_device, command_options
+from .cli import Converting, command_options
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .tp_generate import open_rank
 from ..tp.group import check_torchrun, join_group
