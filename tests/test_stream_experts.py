@@ -281,3 +281,37 @@ def test_experts_multiply_from_stored_bf16_or_codes_in_float32(tmp_path, compres
         held = model.experts.cache
         assert held.held_bytes <= len(held) * model.experts.expert_bytes
         assert model.experts.expert_bytes < float32_bytes
+
+
+def test_a_decode_step_in_bf16_multiplies_its_experts_in_float32_rounded_once(tmp_path, monkeypatch):
+    """In bf16 math a decode step's row goes through the half-precision kernel (float32 sums rounded once to
+    bf16, as torch's bf16 product rounds its own): the logits of the same store with its experts read with
+    their block, within bf16 rounding, step after step."""
+    save_checkpoint("mixtral", tmp_path / "ckpt", dtype=torch.bfloat16)
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+    store = open_store(tmp_path / "store")
+    place_experts(store, {"hot": "."})
+    from shardstream.stream import experts as module, half_linear
+
+    kernel_rows = []   # rows the kernel multiplied, by the real kernel (wrapped to count)
+    real = half_linear.linear
+
+    def counting(x, weight, bias):
+        kernel_rows.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(module.half_linear, "linear", counting)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    steps = {}
+    for experts in ("with_block", "on_demand"):
+        with StreamingModel(store, experts=experts, compute_dtype="bfloat16", max_resident_memory=0) as model:
+            out = model(ids, use_cache=True)
+            past, logits = out.past_key_values, []
+            for _ in range(4):   # the same tokens on both sides: each step's logits compared alone
+                out = model(torch.tensor([[5 + len(logits)]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits.append(out.logits.float())
+            steps[experts] = torch.cat(logits)
+    scale = steps["with_block"].abs().max().item()
+    assert (steps["on_demand"] - steps["with_block"]).abs().max().item() <= 2e-2 * scale
+    assert kernel_rows and set(kernel_rows) <= {1, 2} or not half_linear.available()

@@ -49,6 +49,8 @@ HALF_LIFE = 16
 # Bytes of small experts read ahead while one multiplies, and at most this many of them.
 READ_AHEAD_BYTES = 64 << 20
 MAX_DEPTH = 8
+# Rows of 16-bit activations (a decode step's) whose expert products go through the half-precision kernel.
+KERNEL_ROWS = 2
 
 
 class ExpertlessLoader(BlockLoader):
@@ -332,6 +334,14 @@ def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor],
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """`x @ weight.T` from the weight as held. A decode step's row or two of bf16/fp16 activations go through
+    the half-precision kernel too, in float32 math rounded once to their dtype (as torch's own product rounds
+    its float32 sums): on an expert's small matrices it reads the stored values faster than torch's 16-bit
+    product (docs/BENCHMARKS.md, "Stream: MoE under a cap")."""
     if isinstance(weight, QuantizedTensor):
         return quant_linear.linear(x, weight, None)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= KERNEL_ROWS and x.dtype == weight.dtype and x.device.type == "cpu" and half_linear.available()
+            and half_linear.supports(weight, torch.float32)):
+        return half_linear.linear(x.float(), weight, None).to(x.dtype)
     return weight_linear(x, weight, None)
