@@ -140,7 +140,7 @@ def read_buffer(size: int) -> mmap.mmap:
     Private, not the shared mapping `mmap.mmap(-1, n)` makes (shared anonymous memory gets no transparent
     huge pages). With 4 KiB pages an O_DIRECT request holds at most the queue's max_segments pages
     (254 on a virtio disk: 1 MiB); with 2 MiB pages each request is as large as the queue takes, and
-    reads about twice as fast (docs/BENCHMARKS.md, section "Real shapes")."""
+    reads faster (docs/BENCHMARKS.md, section "Real shapes", has the figures)."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)

@@ -209,10 +209,9 @@ class OnDemandExperts:
             numel = torch.Size(record["shape"]).numel()
             if meta:
                 stays = quant_linear.packable(meta, self._device)
-            else:
-                stored = TORCH_DTYPES[record["dtype"]]
-                stays = self._device.type == "cpu" and (stored == dtype or (
-                    dtype == torch.float32 and stored in half_linear.FORMATS and len(record["shape"]) == 2))
+            else:   # on a GPU every plain weight is a copy there
+                stays = self._device.type == "cpu" and _read_as_stored(
+                    TORCH_DTYPES[record["dtype"]], len(record["shape"]), dtype, self._device)
             converted += 0 if stays else numel * dtype.itemsize
         return (aligned(self._file_bytes) if self._device.type == "cpu" else 0) + converted
 
@@ -273,7 +272,7 @@ class OnDemandExperts:
                 return tensor if device.type == "cpu" else QuantizedTensor(
                     tensor.data.to(device), tensor.absmax.to(device), tensor.meta)
             tensor = quant.dequantize(tensor.data.to(device), tensor.absmax.to(device), tensor.meta)
-        if tensor.dtype != dtype and not (device.type == "cpu" and half_linear.supports(tensor, dtype)):
+        if not _read_as_stored(tensor.dtype, tensor.dim(), dtype, device):
             return tensor.to(device=device, dtype=dtype)
         return tensor.to(device)
 
@@ -319,6 +318,13 @@ class _Reads:
             except BaseException:
                 pass   # the pass's own error is the one to report
         self._threads.shutdown()
+
+
+def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the products take a plain stored weight as it is, no converted copy: in the model's dtype, or a
+    16-bit matrix beside float32 activations on the CPU (half_linear.py)."""
+    return stored == dtype or (device.type == "cpu" and dtype == torch.float32 and stored in half_linear.FORMATS
+                               and dims == 2)
 
 
 def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
