@@ -11,14 +11,23 @@ the stages' timings, over the wall time). Then the re-plan time after a SIGKILL.
 Run: `.venv/bin/python benchmarks/pipeline.py [--layers 8] [--hidden 256] [--tokens 32]`.
 `--streamed` instead runs two agents under a memory cap (memcap) smaller than the model: the plan
 streams blocks from disk, and tok/s is set against the agents' disk read floor.
+`--shape llama-3.2-1b` runs a real shape's store (scripts/real_shapes.py, all its blocks; `--compression
+4bit` its 4-bit store too) as two agents under `--cap` each against one process streaming the same store
+under `--single-cap`, alternating rounds: greedy tokens checked equal (and, for the unquantized store, to
+transformers' own model on the same weights), median decode tok/s of each and their ratio. The agents
+share this host and a request's stages run one after the other, so each agent gets all its cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,6 +48,8 @@ from shardstream.pipeline.server import BackgroundServer, coordinator_app
 from shardstream.store import open_store
 from shardstream.serving.protocol import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
 TOKEN = "bench"
 CONTEXT = 256
 MEMCAP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "memcap"
@@ -47,9 +58,9 @@ IN_FLIGHT = (1, 2, 4, 8)   # requests submitted together (at most the stages' 8 
 
 @contextmanager
 def running_pipeline(folder: Path, store: Path, names: list[str], options: CoordinatorOptions,
-                     wrapper: list[str] = ()) -> Iterator[tuple[list, Coordinator, PipelineModel]]:
-    """Agents (under `wrapper`), a coordinator and its stage server, all stopped on the way out."""
-    agents = spawn_agents(names, TOKEN, folder / "agents", wrapper=wrapper)
+                     wrapper: list[str] = (), threads: int | None = None) -> Iterator[tuple[list, Coordinator, PipelineModel]]:
+    """Agents (under `wrapper`, with `threads` each), a coordinator and its stage server, all stopped on the way out."""
+    agents = spawn_agents(names, TOKEN, folder / "agents", wrapper=wrapper, threads=threads)
     coordinator = Coordinator(open_store(store), [AgentClient(a.url, TOKEN) for a in agents], options)
     pipeline = PipelineModel(coordinator, "127.0.0.1")
     server = BackgroundServer(coordinator_app(pipeline, None, "bench", folder / "work" / "stages", TOKEN), "127.0.0.1", 0)
@@ -109,10 +120,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--streamed", action="store_true", help="only the model larger than the agents' memory")
-    parser.add_argument("--cap", default="400M", help="with --streamed: each agent's memcap limit")
+    parser.add_argument("--cap", default="400M", help="with --streamed or --shape: each agent's memcap limit")
+    parser.add_argument("--shape", help="a real shape (scripts/real_shapes.py): two agents against one process")
+    parser.add_argument("--compression", default="none", help="with --shape: stores to run, e.g. none,4bit")
+    parser.add_argument("--single-cap", default="1400M", help="with --shape: the one process's memcap limit")
+    parser.add_argument("--mem-fraction", type=float, default=0.5, help="with --shape: the coordinator's --mem-fraction")
+    parser.add_argument("--rounds", type=int, default=2, help="with --shape: alternating rounds")
+    parser.add_argument("--workdir", default="artifacts/bench-pipeline", help="with --shape: checkpoint and stores, kept")
     args = parser.parse_args()
     if args.streamed:
         return streamed_main(args.tokens, args.cap)
+    if args.shape:
+        return shape_main(args)
     prompt = torch.arange(3, 19).unsqueeze(0)
     with tempfile.TemporaryDirectory() as temp:
         folder = Path(temp)
@@ -262,6 +281,107 @@ def streamed_main(tokens: int, cap: str) -> None:
           f"plan predicted {route.plan.objective_value * 1e3:.0f} ms/token; transformers in one uncapped process: "
           f"{single * 1e3:.1f} ms/token.")
     print("\n".join(caps))
+
+
+SINGLE = """
+import json, statistics, sys, time, torch
+from shardstream import AutoModel
+times, last = [], [time.perf_counter()]
+class Clock:
+    def put(self, value):
+        now = time.perf_counter()
+        if value.dim() == 1:
+            times.append(now - last[0])
+        last[0] = now
+    def end(self):
+        pass
+prompt = torch.tensor([[%s]])
+with AutoModel.from_pretrained(sys.argv[1]) as model:
+    model.generate(prompt, max_new_tokens=2, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=int(sys.argv[2]), do_sample=False, streamer=Clock())
+    print(json.dumps({"tokens": out[0, prompt.shape[1]:].tolist(), "step": statistics.median(times),
+                      "resident": len(model.resident_blocks), "dtype": str(model.model.dtype)}))
+"""
+
+
+def shape_prompt() -> torch.Tensor:
+    return torch.arange(3, 19).unsqueeze(0)
+
+
+def single_run(store: Path, cap: str, tokens: int) -> dict | str:
+    """One process streaming `store` under memcap `cap` (cold): its greedy tokens and median decode step."""
+    code = SINGLE % ", ".join(map(str, shape_prompt()[0].tolist()))
+    run = subprocess.run([str(MEMCAP), cap, "--cold", str(store), "--", sys.executable, "-c", code, str(store), str(tokens)],
+                         capture_output=True, text=True, timeout=1800)
+    peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", run.stderr)
+    if run.returncode != 0:
+        return "killed (out of memory)" if run.returncode in (-9, 137) else f"failed: {run.stderr.strip()[-200:]}"
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "peak": peak.group(1) if peak else "?"}
+
+
+def pipeline_run(store: Path, cap: str, tokens: int, mem_fraction: float) -> dict | str:
+    """Two agents under memcap `cap`, planned and deployed by a coordinator: greedy tokens, median decode step."""
+    prompt = shape_prompt()
+    with tempfile.TemporaryDirectory(dir="/tmp") as temp:
+        folder = Path(temp)
+        options = CoordinatorOptions(folder / "work", mem_fraction=mem_fraction, context_length=64, pipeline_order=["s0", "s1"])
+        with running_pipeline(folder, store, ["s0", "s1"], options, wrapper=[str(MEMCAP), cap, "--"],
+                              threads=os.cpu_count()) as (agents, coordinator, pipeline):
+            coordinator.profile()
+            route = coordinator.deploy()
+            pipeline.generate(prompt, max_new_tokens=2)
+            clock = StepClock(pipeline)
+            out = pipeline.generate(prompt, max_new_tokens=tokens, streamer=clock)
+            alive = all(a.process.poll() is None for a in agents)
+        peaks = [re.search(r"peak ([^,\s]+)", line).group(1) for a in agents for line in a.log.read_text().splitlines()
+                 if line.startswith("memcap:")]
+    layout = " + ".join(f"{s.device}:{s.first_layer}-{s.last_layer_exclusive - 1}"
+                        f"{' (streams %.0f MiB)' % (s.streamed_bytes_per_token / 2**20) if s.streamed_bytes_per_token else ''}"
+                        for s in route.plan.stages)
+    return {"tokens": out[0, prompt.shape[1]:].tolist(), "step": statistics.median(clock.times), "alive": alive,
+            "layout": layout, "peak": " / ".join(peaks)}
+
+
+def shape_main(args) -> None:
+    """Two agents under --cap against one process under --single-cap, on a real shape's stores, same rounds."""
+    from real_shapes import write_checkpoint
+
+    work = Path(args.workdir) / args.shape
+    ckpt = write_checkpoint(args.shape, work / "ckpt")
+    stores = {}
+    for compression in args.compression.split(","):
+        stores[compression] = work / ("store" if compression == "none" else f"store-{compression}")
+        if not (stores[compression] / "manifest.json").exists():
+            convert(ckpt, stores[compression], compression=None if compression == "none" else compression, progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    expected = reference.generate(shape_prompt(), max_new_tokens=args.tokens, do_sample=False)[0, 16:].tolist()
+    del reference
+    rows = []
+    for compression, store in stores.items():
+        for round_ in range(1, args.rounds + 1):
+            single = single_run(store, args.single_cap, args.tokens)
+            try:
+                staged = pipeline_run(store, args.cap, args.tokens, args.mem_fraction)
+            except Exception as error:   # an agent killed, a plan refused: the row says so
+                staged = f"failed: {str(error)[:160]}"
+            both = isinstance(single, dict) and isinstance(staged, dict)
+            exact = (staged["tokens"] == expected if compression == "none" else "n/a (4-bit weights)") \
+                if isinstance(staged, dict) else ""
+            rows.append([compression, str(round_),
+                         *([f"{1 / staged['step']:.2f}", staged["peak"], staged["layout"]] if isinstance(staged, dict)
+                           else [staged, "", ""]),
+                         *([f"{1 / single['step']:.2f}", single["peak"]] if isinstance(single, dict) else [single, ""]),
+                         f"{single['step'] / staged['step']:.2f}x" if both else "",
+                         str(single["tokens"] == staged["tokens"]) if both else "", str(exact)])
+            print(" | ".join(rows[-1]), file=sys.stderr)
+    print(f"\n{args.shape} shape, {args.tokens} greedy tokens after a 16-token prompt, median decode step; two agents "
+          f"under memcap {args.cap} each (--mem-fraction {args.mem_fraction}, {os.cpu_count()} threads each, stages one "
+          f"after the other) against one process under memcap {args.single_cap} (cold), alternating rounds.\n")
+    print("| store | round | pipeline tok/s | agents' peaks | plan | one process tok/s | its peak | pipeline / one "
+          "process | same tokens | tokens = transformers' |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def streamed_read_seconds(agent: AgentClient, cache: Path) -> float:

@@ -12,13 +12,13 @@ from shardstream import quant
 from shardstream.convert import convert
 from shardstream.pipeline.costs import model_cost
 from shardstream.pipeline.package import package_stage, stage_manifest
-from shardstream.pipeline.planner import STREAM_DEPTH
 from shardstream.pipeline.stage import StageModel
 from shardstream.pipeline.transport import pack, unpack
 from shardstream.store import open_store
 from shardstream.store.checksum import checksum_bytes
-from shardstream.stream.direct import BufferPool
+from shardstream.stream import quant_linear
 from shardstream.switches import DIRECT_IO
+from counting import linear_dequantizations
 from tiny_models import save_checkpoint
 
 PROMPT = torch.tensor([[1, 5, 9, 20, 33, 7]])
@@ -194,37 +194,24 @@ def test_cgroup_headroom_reads_v1_and_v2_at_every_level(tmp_path):
     assert available_bytes(None, tmp_path / "v2.cgroup", v2) == 4300
 
 
-@pytest.mark.parametrize("mode", ["off", "on"])   # blocks mapped from the page cache, or read with O_DIRECT
-def test_a_streamed_stage_of_a_quantized_store_reuses_its_buffers(tmp_path, monkeypatch, mode):
-    """A 4-bit store's streamed stage gives the tokens of the same stage in memory, and every block it
-    reads goes into the loader's few pool buffers (dequantized into them too), however many it reads."""
-    save_checkpoint("llama", tmp_path / "ckpt")
+@pytest.mark.skipif(not quant_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
+@pytest.mark.parametrize("family, mode", [("llama", "off"), ("llama", "on"), ("qwen2", "off")])   # on: O_DIRECT
+def test_the_stages_of_a_quantized_store_multiply_from_its_codes(tmp_path, monkeypatch, family, mode):
+    """Two stages of a 4-bit store, the first streamed, give the tokens of one stage holding every block in
+    memory, and no Linear weight of theirs is ever dequantized: every product reads the codes as stored (the
+    last stage of qwen2 too, whose head is the first stage's embedding)."""
+    save_checkpoint(family, tmp_path / "ckpt")
     convert(tmp_path / "ckpt", tmp_path / "store", compression="4bit", progress=False)
     store = open_store(tmp_path / "store")
-    assert any(record.quant for record in store.manifest.tensors.values())
-    pools = []
-    real_init = BufferPool.__init__
-
-    def recorded(pool, **options):
-        real_init(pool, **options)
-        pools.append(pool)
-
-    monkeypatch.setattr(BufferPool, "__init__", recorded)
     monkeypatch.setenv(DIRECT_IO.name, mode)
     n = store.num_layers
-    streamed, in_memory = StageModel(store, 0, n, stream_budget=0), StageModel(store, 0, n)
-    assert streamed.streamed_blocks == list(range(n))
-    into = []   # per dequantization while streaming: was it given a buffer to write into?
-    real_dequantize = quant.dequantize
-
-    def recording(data, absmax, meta, out=None):
-        into.append(out is not None)
-        return real_dequantize(data, absmax, meta, out)
-
-    monkeypatch.setattr(quant, "dequantize", recording)
-    tokens = _greedy([streamed], PROMPT[0].tolist(), 8)
-    assert into and all(into)
-    assert tokens == _greedy([in_memory], PROMPT[0].tolist(), 8)
-    in_flight = STREAM_DEPTH + 1   # a read buffer (O_DIRECT only) and a dequantization buffer each
-    assert 1 <= sum(pool.allocated for pool in pools) <= (2 if mode == "on" else 1) * in_flight
-    streamed.close()
+    dequantized = linear_dequantizations(monkeypatch)
+    split = [StageModel(store, 0, 1, stream_budget=0), StageModel(store, 1, n)]
+    whole = StageModel(store, 0, n)
+    assert split[0].streamed_blocks == [0] and split[1].streamed_blocks == whole.streamed_blocks == []
+    assert _greedy(split, PROMPT[0].tolist(), 8) == _greedy([whole], PROMPT[0].tolist(), 8)
+    assert dequantized == []
+    # q, k, v, o, gate, up, down of each block; the embedding on the first stage, the head on the last
+    assert [len(stage.engine.packed_weights) for stage in split] == [7 + 1, 7 * (n - 1) + 1]
+    for stage in [*split, whole]:
+        stage.close()

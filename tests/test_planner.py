@@ -11,6 +11,7 @@ import pytest
 from shardstream.errors import InvalidOption, PlanInfeasible
 from shardstream.pipeline.planner import (
     STREAM_DEPTH,
+    STREAM_UNIT_BYTES,
     Device,
     LayerCost,
     Link,
@@ -264,17 +265,20 @@ def test_rejects_options_that_cannot_work(options, devices, words):
 
 def evaluate_streamed(model, devices, options, spans):
     """(stage times, streamed bytes, fits) from scratch, a stage that does not fit in memory laid
-    out by the streaming runtime's own rule (choose_resident with STREAM_DEPTH + 1 blocks in flight)."""
+    out by the streaming engine's own rule (choose_resident with STREAM_DEPTH + 1 reading units in flight,
+    a block's unit at most STREAM_UNIT_BYTES), the last stage's head streamed too where that alone fits."""
     times, streamed, fits = [], [], True
     for k, (device, first, end) in enumerate(spans):
         sizes = [b.weight_bytes for b in model.layers[first:end]]
         fixed = device.overhead_bytes + sum(b.kv_bytes_per_token * options.context_length for b in model.layers[first:end])
         fixed += (model.start_bytes if k == 0 else 0) + (model.end_bytes if k == len(spans) - 1 else 0)
-        budget, in_flight = device.memory_budget_bytes - fixed, (STREAM_DEPTH + 1) * max(sizes)
-        if sum(sizes) <= budget:
+        budget, in_flight = device.memory_budget_bytes - fixed, (STREAM_DEPTH + 1) * min(max(sizes), STREAM_UNIT_BYTES)
+        head = model.head_bytes if k == len(spans) - 1 and sum(sizes) > budget and in_flight > budget else 0
+        budget += head
+        if sum(sizes) <= budget and not head:
             read = 0
         elif device.disk_bytes_per_s > 0 and in_flight <= budget:
-            read = sum(sizes) - sum(sizes[i] for i in choose_resident(sizes, budget, in_flight))
+            read = sum(sizes) - sum(sizes[i] for i in choose_resident(sizes, budget, in_flight)) + head
         else:
             fits = False
             read = 0
@@ -338,15 +342,16 @@ def test_a_split_that_fits_only_streamed():
     model, devices = streamed_case()
     result = plan(model, devices, PlanOptions(context_length=0, default_link=FREE))
     # in memory a holds 2 blocks and b 2 blocks and the head: one block too many. Either streams 3 blocks with
-    # 2 in flight and no room left for a resident one; a's disk is the faster.
+    # 2 pieces in flight, keeping 2 blocks resident beside them (b would keep only one); a's disk is the faster.
     stages = [(s.device, s.first_layer, s.last_layer_exclusive, s.streamed_bytes_per_token) for s in result.stages]
-    assert stages == [("a", 0, 3, 6 * GIB), ("b", 3, 5, 0)]
-    assert result.stages[0].read_seconds_per_token == pytest.approx(3.0)
-    assert result.stages[0].predicted_seconds_per_token == pytest.approx(3.0 + 3e9 / 50e9)
-    assert result.stages[0].stream_budget_bytes == 5 * GIB and result.stages[0].memory_bytes == 5 * GIB
+    assert stages == [("a", 0, 3, 2 * GIB), ("b", 3, 5, 0)]
+    assert result.stages[0].read_seconds_per_token == pytest.approx(1.0)
+    assert result.stages[0].predicted_seconds_per_token == pytest.approx(1.0 + 3e9 / 50e9)
+    assert result.stages[0].stream_budget_bytes == 5 * GIB
+    assert result.stages[0].memory_bytes == 5 * GIB + 2 * STREAM_UNIT_BYTES   # overhead, 2 blocks, 2 pieces
     table = result.table().splitlines()
     assert "streamed from disk/token" in table[0]
-    assert table[1].endswith("6.00 GiB (3,000 ms)") and table[2].endswith("no (in memory)")
+    assert table[1].endswith("2.00 GiB (1,000 ms)") and table[2].endswith("no (in memory)")
     assert Plan.from_json(result.to_json()) == result
 
 
@@ -356,9 +361,21 @@ def test_no_streaming_refuses_with_a_clear_message():
         plan(model, devices, PlanOptions(context_length=0, streaming=False))
     assert str(caught.value).endswith(
         "or use compression, or drop --no-streaming so that agents may stream blocks from their disk.")
-    small = [Device(d.name, 9 * GIB // 2, 50, GIB, disk_bytes_per_s=GIB) for d in devices]   # 2 blocks > 3.5 GiB free
-    with pytest.raises(PlanInfeasible, match="Streaming blocks from disk does not help: .* 2 blocks in flight"):
+    small = [Device(d.name, 2 * GIB, 50, GIB, disk_bytes_per_s=GIB) for d in devices]   # the head alone fills 1 GiB free
+    with pytest.raises(PlanInfeasible, match="Streaming blocks from disk does not help: .* 2 pieces of blocks in flight"):
         plan(model, small, PlanOptions(context_length=0))
+
+
+def test_a_last_stage_that_cannot_hold_its_head_streams_it():
+    """The case above whose 1 GiB head can be read every token (a big plainly stored matrix): the last stage
+    streams it beside its blocks, and what it reads a token counts the head."""
+    model, devices = streamed_case()
+    model.head_bytes = GIB
+    small = [Device(d.name, 2 * GIB, 50, GIB, disk_bytes_per_s=GIB) for d in devices]
+    last = plan(model, small, PlanOptions(context_length=0, default_link=FREE)).stages[-1]
+    assert last.last_layer_exclusive == 5
+    assert last.streamed_bytes_per_token == GIB + 2 * GIB * (5 - last.first_layer)   # the head, and no block resident
+    assert last.memory_bytes <= last.budget_bytes
     no_disk = [Device(d.name, 6 * GIB, 50, GIB) for d in devices]
     with pytest.raises(PlanInfeasible, match="no device reported a disk read speed"):
         plan(model, no_disk, PlanOptions(context_length=0))

@@ -200,6 +200,29 @@ def test_real_shapes_exact_against_transformers(built, reference, cpu, shape, bu
     model.close()
 
 
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-0.5b"])   # a tied head; an untied one
+def test_pipeline_stages_of_a_real_vocabulary_read_rows_and_stream_the_head(built, reference, cpu, shape):
+    """Two stages of a real shape's store, each the engine over its block: the first reads the embedding's
+    rows (it holds no head), the last, with no memory for blocks, streams the head in slices, read from the
+    embedding's bytes where tied; greedy tokens equal transformers'."""
+    from shardstream.pipeline.stage import StageModel
+
+    store = open_store(built(shape)[1])
+    _, tokens = reference(shape, cpu)
+    stages = [StageModel(store, 0, 1), StageModel(store, 1, LAYERS, stream_budget=0)]
+    assert [stage.engine.streamed_ends for stage in stages] == [{"model.embed_tokens.weight"}, {"lm_head.weight"}]
+    ids, position = torch.tensor(IDS), 0
+    for _ in range(3):
+        data = ids[:, position:]
+        for stage in stages:
+            data = stage.forward("s", position, data)
+        position = ids.shape[1]
+        ids = torch.cat([ids, data.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(ids, tokens)
+    for stage in stages:
+        stage.close()
+
+
 def _weights_in_use(model: StreamingModel) -> list[tuple[str, torch.dtype, int]]:
     """Records (module, dtype, bytes) of every Linear's and embedding's weight in memory as it runs, from
     now on: the parameter where it is real, else what its module multiplies from (`packed`)."""

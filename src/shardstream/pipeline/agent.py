@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from ..errors import AgentBusy, ShardstreamError, StageGone
 from ..store import open_store
+from ..stream.engine_options import EngineOptions
 from . import measure
 from .download import fetch_stage, remove_stage
 from .package import STAGE_MANIFEST
@@ -102,8 +103,11 @@ class Loaded:
 class Agent:
     """The state behind both planes: the loaded stage, swapped under a lock, and the data thread."""
 
-    def __init__(self, name: str, token: str, cache: Path, data_port: int, max_memory: int | None = None):
+    def __init__(self, name: str, token: str, cache: Path, data_port: int, max_memory: int | None = None,
+                 options: EngineOptions | None = None):
+        """`options`: how its stages' engine runs (their resident budget is the plan's)."""
         self.name, self.token, self.cache, self.max_memory = name, token, Path(cache), max_memory
+        self.options = options or EngineOptions()
         self.loaded: Loaded | None = None
         self.owner: Owner | None = None
         self._claim_lock = threading.Lock()
@@ -212,7 +216,8 @@ class Agent:
         with self._lock:  # the old stage's memory goes before the new one is built
             self._drop()
             model = None if request.metadata_only else StageModel(open_store(folder), *stage,
-                                                                  stream_budget=request.stream_budget_bytes)
+                                                                  stream_budget=request.stream_budget_bytes,
+                                                                  options=self.options)
             self.loaded = Loaded(request.stage_id, request.coordinator, request.epoch, *stage, model)
         return {"stage_id": request.stage_id, "downloaded_bytes": downloaded, "first": stage[0], "last": stage[1],
                 "materialized": model is not None, "data_port": self.data_port,

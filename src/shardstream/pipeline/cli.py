@@ -40,6 +40,9 @@ def agent_command(
     join: Annotated[Optional[str], typer.Option(help="Join the running coordinator at this URL (its --serve-port), "
                                                      "e.g. http://pc.local:8090: it re-plans with this agent (taking it "
                                                      "from any other coordinator) and prints the new plan.")] = None,
+    compute_dtype: Annotated[str, typer.Option(help="dtype this agent's stages compute in: auto (bfloat16 where the CPU "
+                                                    "has bf16 instructions, else float32 products from the stored bf16 "
+                                                    "bytes), float32, bfloat16 or float16.")] = "auto",
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
     import signal
@@ -50,6 +53,8 @@ def agent_command(
     from ..atomic import write_json_atomic
     from ..listener import tcp_listener
     from ..sizes import parse_size
+    from ..stream.compute_dtype import parse_compute_dtype
+    from ..stream.engine_options import EngineOptions
     from .agent import Agent, create_agent_app
     from .discovery import advertise_host
     from .local import follow_parent
@@ -58,6 +63,7 @@ def agent_command(
     if not token:
         raise InvalidOption(f"--token is empty; give the agent a shared secret (or set {TOKEN.name}).")
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
+    parse_compute_dtype(compute_dtype, "--compute-dtype")
     if threads is not None:
         if threads < 1:
             raise InvalidOption(f"--threads must be at least 1, not {threads}.")
@@ -72,7 +78,7 @@ def agent_command(
         data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
     try:
-        agent = Agent(name, token, cache_dir, data_port, limit)
+        agent = Agent(name, token, cache_dir, data_port, limit, EngineOptions(compute_dtype=compute_dtype))
     except zmq.ZMQError as error:
         raise InvalidOption(f"the agent cannot bind its data port {data_port} ({error}); pick another --data-port.") from None
     if limit is not None:

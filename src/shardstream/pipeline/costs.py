@@ -1,8 +1,10 @@
 """What the planner needs, sized from the store's manifest and config without loading a weight.
 
-Memory is counted in the dtype the stage runs in (a quantized store is dequantized on load), so a
-block's bytes are its parameter count times that dtype's size, and its flops per token about twice
-its parameter count. The KV cache holds keys and values per token: 2 x kv heads x head dim x dtype.
+Memory is counted at the size a stage holds it in (the streaming engine's rule, stream/ends.py and
+linear.py): a block's stored bytes (a quantized store's codes, bf16 as stored), a big embedding not at all
+(its rows are read by offset), a big head whole or, when the stage streams it, read on every token. Flops
+per token are about twice the parameter count. The KV cache holds keys and values per token: 2 x kv heads
+x head dim x dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..store import Store
+from ..store.sharding import placed_in
+from ..stream.ends import STREAMED_BYTES
 from ..stream.meta import config_dtype
 from .planner import Device, LayerCost, ModelCost
 
@@ -23,13 +27,14 @@ def model_cost(store: Store) -> ModelCost:
     size = config_dtype(config).itemsize
     kv = 2 * _num_kv_heads(config) * _head_dim(config) * size
     blocks = [_params(store, f"mid/{i}") for i in range(store.num_layers)]
-    end = _params(store, "end")
     return ModelCost(
-        layers=[LayerCost(p * size, kv, 2.0 * p) for p in blocks],
+        layers=[LayerCost(_stored(store, f"mid/{i}") + sum(r.length for r in placed_in(store, i)), kv, 2.0 * p)
+                for i, p in enumerate(blocks)],
         activation_bytes_per_token=config.hidden_size * size,
-        start_bytes=_params(store, "start") * size,
-        end_bytes=end * size,
-        end_flops_per_token=2.0 * end,
+        start_bytes=_stored(store, "start") - _streamable(store, "start"),
+        end_bytes=_stored(store, "end"),
+        end_flops_per_token=2.0 * _params(store, "end"),
+        head_bytes=_streamable(store, "end"),
     )
 
 
@@ -50,6 +55,25 @@ def device_from_profile(name: str, available_bytes: int, gflops: float, mem_frac
     the disk read speed that prices a streamed stage (0: it may not stream)."""
     return Device(name, int(available_bytes * mem_fraction), gflops, overhead_bytes=activations,
                   disk_bytes_per_s=disk_bytes_per_s)
+
+
+def _records(store: Store, part: str) -> list:
+    """The tensor records a load of `part` reads, tied aliases resolved to their targets (stored elsewhere)."""
+    if part not in store.manifest.parts:
+        return []
+    tensors, aliases = store.manifest.tensors, store.manifest.aliases
+    names = store.manifest.parts[part].tensors + [n for n, a in aliases.items() if a["part"] == part]
+    return [tensors[aliases.get(name, {}).get("target", name)] for name in names]
+
+
+def _stored(store: Store, part: str) -> int:
+    """Stored bytes of `part`'s tensors (codes and scales of quantized ones), tied aliases counted."""
+    return sum(r.length + (r.quant["absmax"]["length"] if r.quant else 0) for r in _records(store, part))
+
+
+def _streamable(store: Store, part: str) -> int:
+    """Bytes of `part`'s big plainly stored matrices: an embedding read by rows, a head that may be streamed."""
+    return sum(r.length for r in _records(store, part) if not r.quant and len(r.shape) == 2 and r.length >= STREAMED_BYTES)
 
 
 def _params(store: Store, part: str) -> int:

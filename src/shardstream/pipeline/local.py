@@ -41,21 +41,24 @@ class LocalAgent:
 
 
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 300.0,
-                 advertise: bool = False, wrapper: list[str] = ()) -> list[LocalAgent]:
+                 advertise: bool = False, wrapper: list[str] = (), threads: int | None = None,
+                 arguments: list[str] = ()) -> list[LocalAgent]:
     """Start one agent process per name (all at once; announced by mDNS with `advertise`; each run
-    under `wrapper`, e.g. a memory cap: `["memcap", "400M", "--"]`), then wait until each answers
-    its health check. They split the host's cores (`--threads`), so they do not oversubscribe it.
+    under `wrapper`, e.g. a memory cap: `["memcap", "400M", "--"]`; `arguments`: more of the agent
+    command's options), then wait until each answers its health check. They split the host's cores
+    (`--threads`, unless `threads` is given: one request's stages run one after the other, so each
+    may take them all), so they do not oversubscribe it.
     Each agent binds free ports itself and reports them in a ready file, so no port can be taken
     between choosing and binding it."""
     folder.mkdir(parents=True, exist_ok=True)
-    threads = str(max(1, (os.cpu_count() or 1) // len(names)))   # agents on one host split its cores
+    threads = str(threads or max(1, (os.cpu_count() or 1) // len(names)))   # agents on one host split its cores
     started = []
     for name in names:
         log, ready = folder / f"{name}.log", folder / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         command = [*wrapper, sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", name, "--token", token,
                    "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-                   "--cache-dir", str(folder / name), "--threads", threads] + (["--advertise"] if advertise else [])
+                   "--cache-dir", str(folder / name), "--threads", threads, *arguments] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                        env={**os.environ, PARENT_PID.name: str(os.getpid())})

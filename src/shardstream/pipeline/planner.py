@@ -7,10 +7,11 @@ predicted time is its compute plus the hop to the next stage, so "latency" (one 
 the sum of stage times and "throughput" (a full pipeline) is their maximum, the bottleneck.
 
 Only when no split fits in memory (and `PlanOptions.streaming` allows it), a stage may also be
-larger than its device: it runs with the streaming runtime, keeping its KV cache, embeddings or
-head, the first blocks that fit (as `stream.residency.choose_resident` picks them) and the blocks
-in flight in memory, and reads the rest from disk every token. Such a stage costs its compute plus
-the streamed bytes at the device's measured disk read speed (a bound: prefetch overlaps the two).
+larger than its device: it runs with the streaming engine, keeping its KV cache, embeddings or
+head, the first blocks that fit (as `stream.residency.choose_resident` picks them) and the pieces
+in flight in memory, and reads the rest from disk every token; a last stage that cannot keep its
+big head beside that streams the head too. Such a stage costs its compute plus the streamed bytes
+at the device's measured disk read speed (a bound: prefetch overlaps the two).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class ModelCost:
     start_bytes: int = 0
     end_bytes: int = 0
     end_flops_per_token: float = 0.0
+    head_bytes: int = 0   # of end_bytes, what a streamed last stage may read every token instead of holding
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class Device:
     disk_bytes_per_s: float = 0.0   # measured read speed of its stage files; 0: it cannot stream
 
 
-STREAM_DEPTH = 1   # blocks a streamed stage reads ahead while one computes (`stream`'s default prefetch)
+STREAM_DEPTH = 1   # reading units a streamed stage reads ahead while one computes
+STREAM_UNIT_BYTES = 64 << 20   # a streamed block's reading unit at most: the engine reads blocks in pieces (stream/pieces.py)
 
 
 @dataclass(frozen=True)
@@ -257,8 +260,8 @@ class _Problem:
             self.weights.append(self.weights[-1] + layer.weight_bytes)
         self.free = [d.memory_budget_bytes - d.overhead_bytes for d in self.devices]
         self.can_stream = any(d.disk_bytes_per_s > 0 for d in self.devices)
-        sizes = [layer.weight_bytes for layer in model.layers]
-        # largest[i][k]: the largest of blocks i .. i + k, a streamed stage's unit of reading
+        sizes = [min(layer.weight_bytes, STREAM_UNIT_BYTES) for layer in model.layers]
+        # largest[i][k]: the largest reading unit of blocks i .. i + k, as a streamed stage reads them
         self.largest = [list(accumulate(sizes[i:], max)) for i in range(self.num_layers)] if self.can_stream else []
         self.seconds_per_flop = [1 / (d.gflops * 1e9) for d in self.devices]
         self.end_seconds = [model.end_flops_per_token * s for s in self.seconds_per_flop]
@@ -305,8 +308,9 @@ class _Problem:
     def layout(self, d: int, i: int, j: int) -> tuple[int, int, int] | None:
         """Blocks [i, j) as a stage on device d: (memory used, bytes streamed per token, memory for
         blocks), overhead excluded; None when even streaming cannot fit it. In memory when it fits;
-        else the streaming runtime's layout: KV cache, start/end parts, STREAM_DEPTH + 1 blocks in
-        flight and the first blocks that fit in what is left (choose_resident's rule)."""
+        else the streaming engine's layout: KV cache, start/end parts, STREAM_DEPTH + 1 reading units
+        in flight and the first blocks that fit in what is left (choose_resident's rule); a last stage
+        whose head leaves no room for that streams the head as well."""
         total = self.stage_bytes(i, j)
         if total <= self.free[d]:
             return total, 0, 0
@@ -315,10 +319,12 @@ class _Problem:
         blocks = self.weights[j] - self.weights[i]
         for_blocks = self.free[d] - (total - blocks)
         room = for_blocks - (STREAM_DEPTH + 1) * self.largest[i][j - i - 1]
+        head = self.model.head_bytes if j == self.num_layers and room < 0 else 0
+        room, for_blocks = room + head, for_blocks + head
         if room < 0:
             return None
         resident_end = min(j, bisect_right(self.weights, self.weights[i] + room) - 1)
-        streamed = self.weights[j] - self.weights[resident_end]
+        streamed = self.weights[j] - self.weights[resident_end] + head
         return self.free[d] - room + self.weights[resident_end] - self.weights[i], streamed, for_blocks
 
     def make_plan(self, spans: list[tuple[int, int, int]]) -> Plan:
@@ -369,7 +375,7 @@ class _Problem:
         if not self.can_stream:
             return " (no device reported a disk read speed, so none may stream blocks from disk)."
         return (". Streaming blocks from disk does not help: a streamed stage still keeps its KV cache, its"
-                f" embeddings or head and {STREAM_DEPTH + 1} blocks in flight in memory.")
+                f" small outside parts and {STREAM_DEPTH + 1} pieces of blocks in flight in memory.")
 
 
 def _validate(model: ModelCost, devices: list[Device], options: PlanOptions) -> None:

@@ -1,16 +1,15 @@
 """One pipeline stage: blocks [first, last) of transformers' own model, with their own KV caches.
 
-The stage model is built on `meta` from the store's config with only this stage's blocks
-(`num_hidden_layers = last - first`, `layer_types` sliced), so its DynamicCache, positions and masks
-count exactly this stage's layers. Weights are mapped with the streaming runtime's `WeightMapper`
-on a full meta model (checkpoint names keep the global block index) and renumbered into place.
+The stage is the streaming engine (stream/model.py) over its range of blocks: transformers' model built on
+`meta` with only the stage's blocks (`num_hidden_layers = last - first`, `layer_types` sliced), so its
+DynamicCache, positions and masks count exactly this stage's layers, filled as the whole model's stream is:
+the compute dtype, products from 4-bit codes or stored half-precision bytes, pieces read ahead, the first
+blocks that fit its budget resident, an embedding read by rows and a big head streamed in slices, experts
+read on demand when the stage's are placed on tiers. A plan that gives a stage more blocks than its memory holds passes a
+`stream_budget`; without one every block stays in memory.
 A later stage receives hidden states: they go in as `inputs_embeds` and a pre-hook on the first
 block puts them back unchanged (some families scale embeddings inside `forward`); an earlier stage
 stops right after its last block, before the final norm, which it does not hold.
-When the stage's experts are placed on tiers, its blocks load without them and the streaming
-runtime's `OnDemandExperts` reads only the experts the router picks (from the stage's own tiers).
-With a `stream_budget` (the plan gave this device more blocks than its memory holds) the blocks are
-streamed from the stage's files instead (see streamed.py): the same forward, hooks and caches.
 Single-token steps of several sessions can run as one pass (`forward_batch`): each weight read
 then serves every session waiting at the stage. Their caches are left-padded into one batch cache,
 masked where padded, and split back after the pass; each row keeps its own positions.
@@ -20,24 +19,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..errors import InvalidOption, UnsupportedModel
-from ..store.sharding import load_index
+from ..errors import InvalidOption
 from ..store import Store
-from ..stream.blocks import StreamedBlocks
-from ..stream.experts import ExpertlessLoader, OnDemandExperts
-from ..stream.loader import BlockLoader, LoadedBlock
-from ..stream.meta import build_meta_model, common_module, config_dtype
-from ..stream.pieces import whole
+from ..store.sharding import load_index
+from ..stream.engine_options import EngineOptions
+from ..stream.model import StreamingModel
 from ..stream.residency import resolve_budget
-from ..stream.weights import Slots, WeightMapper, parameters_on_meta
-from .streamed import stream_blocks
 
 MAX_SESSIONS = 8
 
@@ -53,97 +47,36 @@ class StageModel:
     """Runs `forward(session, position, ids_or_hidden)`; the first stage takes token ids, the last
     returns the next-token logits, any other returns hidden states."""
 
-    def __init__(self, store: Store, first: int, last: int, stream_budget: int | None = None):
-        n = store.num_layers
-        if not 0 <= first < last <= n:
-            raise InvalidOption(f"stage blocks [{first}, {last}) are outside the model's {n} blocks; re-plan.")
+    def __init__(self, store: Store, first: int, last: int, stream_budget: int | None = None,
+                 options: EngineOptions | None = None):
+        """`options`: the engine's (the agent's); its resident budget is the plan's: none (every block in
+        memory) without `stream_budget`, else that budget, capped by what this process may use now ('auto')."""
+        options = options or EngineOptions()
+        budget = None if stream_budget is None else min(stream_budget, resolve_budget("auto", 0))
+        placed = any(first <= record.group < last for record in load_index(store).experts.values())
+        options = replace(options, max_resident_memory=budget, experts="on_demand" if placed else options.experts)
+        self.engine = StreamingModel(store, options, blocks=range(first, last))
         self.first, self.last = first, last
-        self.is_first, self.is_last = first == 0, last == n
-        full = build_meta_model(store, None)
-        mapper = WeightMapper(full)
-        global_prefixes = [common_module(mapper.target_names(store.tensor_names(f"mid/{i}"))) for i in range(first, last)]
-        self.model = _stage_meta_model(store, first, last)
-        prefixes = [_renumbered(p, k) for k, p in enumerate(global_prefixes)]
-        renamed = _GlobalNames(self.model, dict(zip(global_prefixes, prefixes)))
-        self.experts = _on_demand_experts(store, first, last, renamed, mapper)
-        self._renames = list(zip(global_prefixes, prefixes))
-        self._blocks = [self.model.get_submodule(p) for p in prefixes]
-        self.streaming: StreamedBlocks | None = None
-        if stream_budget is None:
-            skip = self.experts.checkpoint_names if self.experts else set()
-            for index in range(last - first):
-                tensors = store.load(f"mid/{first + index}", verify=True, experts=self.experts is None)
-                params = mapper.convert({name: tensor for name, tensor in tensors.items() if name not in skip})
-                Slots(self._blocks[index], prefixes[index]).fill(self._renamed(index, params))
-            self._fill_outside(store, mapper, prefixes)
-        else:
-            outside = self._fill_outside(store, mapper, prefixes)
-            self.streaming = self._stream(store, mapper, prefixes, min(stream_budget, resolve_budget("auto", outside)))
+        self.is_first, self.is_last = first == 0, last == store.num_layers
+        self.model = self.engine.model
+        self.experts = self.engine.experts
+        blocks = self.engine.block_modules
         self._closed = False
         self._caches: OrderedDict[str, DynamicCache] = OrderedDict()
         self._lock = threading.Lock()
         self._incoming: torch.Tensor | None = None
-        self._blocks[0].register_forward_pre_hook(self._inject, with_kwargs=True)
+        blocks[0].register_forward_pre_hook(self._inject, with_kwargs=True)
         if not self.is_last:
-            self._blocks[-1].register_forward_hook(self._stop)
+            blocks[-1].register_forward_hook(self._stop)
         # padding plain caches is exact; sliding-window layers and on-demand experts run one session at a time
         layers = DynamicCache(config=self.model.config).layers
         self.batches = self.experts is None and all(type(layer) is DynamicLayer for layer in layers)
 
-    def _renamed(self, index: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Block `index`'s parameters from the full model's names to the stage's."""
-        old, new = self._renames[index]
-        return {new + name[len(old):]: tensor for name, tensor in params.items()}
-
-    def _stream(self, store: Store, mapper: WeightMapper, prefixes: list[str], budget: int) -> StreamedBlocks:
-        """The stream runtime's loader over the stage's files (O_DIRECT when they exceed memory); the
-        budget is the plan's, capped by what this process may use now (resolve_budget's 'auto')."""
-        cpu = torch.device("cpu")
-        loader = (ExpertlessLoader(store, mapper, cpu, True, self.experts.checkpoint_names) if self.experts
-                  else BlockLoader(store, mapper, cpu, True))
-
-        # each block is one piece, read into the loader's reused buffers (a quantized one dequantized into them)
-        plan = {}
-        for index, block in enumerate(self._blocks):
-            keys = loader.checkpoint_keys(self.first + index)
-            split = loader.split(self.first + index, whole(block, mapper.target_names(keys), 0))
-            plan[(self.first + index, 0)] = split[0] if split is not None else None
-        loader.plan(plan, frozenset())
-
-        def renamed(index: int, block: LoadedBlock) -> LoadedBlock:
-            block.params = self._renamed(index, block.params)
-            return block
-
-        slots = [Slots(block, prefix) for block, prefix in zip(self._blocks, prefixes)]
-        return stream_blocks(self._blocks, slots, lambda index: renamed(index, loader.load(self.first + index)),
-                             lambda index: renamed(index, loader.load_piece((self.first + index, 0))), budget)
-
     @property
     def streamed_blocks(self) -> list[int]:
         """The blocks (global indices) read from disk on every pass; empty for a stage in memory."""
-        return [self.first + k for k in self.streaming.streamed] if self.streaming else []
-
-    def _fill_outside(self, store: Store, mapper: WeightMapper, prefixes: list[str]) -> int:
-        """Embeddings on the first stage, final norm and head on the last; the rest stays on meta.
-        Returns the bytes filled."""
-        parts = (["start"] if self.is_first else []) + (["end"] if self.is_last else [])
-        tensors: dict[str, torch.Tensor] = {}
-        for part in parts:
-            tensors.update(store.load(part, verify=True))
-        params = mapper.convert(tensors)
-        for tied, source in getattr(self.model, "all_tied_weights_keys", {}).items():
-            if tied not in params and source in params:
-                params[tied] = params[source]
-        outside = Slots(self.model, exclude=tuple(prefixes))
-        outside.fill({name: tensor for name, tensor in params.items() if name in outside.names})
-        if not self.is_first:
-            embeddings = _module_name(self.model, self.model.get_input_embeddings()) + "."
-            other = [n for n in mapper.target_names(store.tensor_names("start")) if not n.startswith(embeddings)]
-            if other:
-                raise UnsupportedModel(
-                    f"{type(self.model).__name__} uses {sorted(other)[:3]} before its blocks besides the token "
-                    "embeddings, so only a single stage can run it; plan it on one device.")
-        return outside.nbytes
+        resident = set(self.engine.resident_blocks)
+        return [self.first + k for k in range(self.last - self.first) if k not in resident]
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -208,17 +141,12 @@ class StageModel:
             self._incoming = data = data.to(self.model.dtype)
             kwargs["inputs_embeds"] = data
         try:
-            if self.is_last:
-                logits = self.model(**kwargs, logits_to_keep=0 if all_logits else 1).logits
-                return logits if all_logits else logits[:, -1, :]
-            self.model.get_submodule(self.model.base_model_prefix)(**kwargs)
+            logits = self.engine(**kwargs, logits_to_keep=0 if all_logits else 1).logits
         except _Stop as stop:
             return stop.hidden
         finally:
             self._incoming = None
-            if self.streaming:
-                self.streaming.release()
-        raise AssertionError("a stage without the head must stop after its last block")
+        return logits if all_logits else logits[:, -1, :]
 
     def _cache(self, session: str, position: int) -> DynamicCache:
         """This session's cache, which must hold exactly `position` tokens (position 0 starts anew)."""
@@ -241,51 +169,7 @@ class StageModel:
             self._caches.pop(session, None)
 
     def close(self) -> None:
-        """Stop a streamed stage's reader (after the pass in progress); later passes are refused."""
+        """Stop the stage's block reader (after the pass in progress); later passes are refused."""
         with self._lock:
             self._closed = True
-            if self.streaming:
-                self.streaming.close()
-
-
-class _GlobalNames:
-    """The stage model under the full model's module names (global block index), as
-    `OnDemandExperts` names the modules it hooks."""
-
-    def __init__(self, model: nn.Module, renamed: dict[str, str]):
-        self._model, self._renamed = model, renamed
-
-    def get_submodule(self, name: str) -> nn.Module:
-        block = next(old for old in self._renamed if name == old or name.startswith(old + "."))
-        return self._model.get_submodule(self._renamed[block] + name[len(block):])
-
-
-def _on_demand_experts(store: Store, first: int, last: int, model: _GlobalNames,
-                       mapper: WeightMapper) -> OnDemandExperts | None:
-    """On-demand experts for blocks [first, last) when theirs are placed on tiers, else None."""
-    if not any(first <= record.group < last for record in load_index(store).experts.values()):
-        return None
-    return OnDemandExperts(store, model, mapper, torch.device("cpu"), layers=range(first, last))
-
-
-def _stage_meta_model(store: Store, first: int, last: int) -> PreTrainedModel:
-    """transformers' model class on meta with only blocks [first, last), renumbered from 0."""
-    config = AutoConfig.from_pretrained(store.root)
-    config.num_hidden_layers = last - first
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[first:last])
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=config_dtype(config))
-    return model.eval()
-
-
-def _renumbered(prefix: str, index: int) -> str:
-    """'model.layers.7' -> 'model.layers.<index>': blocks sit in a ModuleList."""
-    container, _, number = prefix.rpartition(".")
-    if not number.isdigit():
-        raise UnsupportedModel(f"block module {prefix!r} is not an item of a module list; this family cannot be staged.")
-    return f"{container}.{index}"
-
-
-def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
-    return next(name for name, m in root.named_modules() if m is module)
+            self.engine.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .. import quant
 from ..errors import InvalidOption, PartNotFound
 from . import problems
 from .checksum import checksum_bytes
@@ -161,15 +162,17 @@ class Store:
         on first use of `.tensors`."""
         return load_expert(self, layer, expert)
 
-    def load_tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """One tensor by name (an alias resolves to its target), reading only its bytes."""
+    def load_tensor(self, name: str, device: str | torch.device = "cpu", dequantize: bool = True) -> torch.Tensor:
+        """One tensor by name (an alias resolves to its target), reading only its bytes; a quantized one as its
+        codes and scales (`quant.QuantizedTensor`) when not `dequantize`."""
         target = self.manifest.aliases.get(name, {}).get("target", name)
         record = self.manifest.tensors.get(target)
         if record is None:
             raise PartNotFound(f"the store at {self.root} has no tensor named {name!r}.")
         data = self.read_tensor_bytes(record)
         base = min(record.offset, record.quant["absmax"]["offset"]) if record.quant else record.offset
-        return decode_tensor(data, base, record).to(device)
+        tensor = decode_tensor(data, base, record, dequantize=dequantize)
+        return tensor if isinstance(tensor, quant.QuantizedTensor) else tensor.to(device)
 
     def load(self, part: str, device: str | torch.device = "cpu", verify: bool = False,
              read: Callable[[str], bytearray | mmap.mmap] | None = None, experts: bool = True,
@@ -200,7 +203,7 @@ class Store:
                     tensors[name] = decode_tensor(buffer, 0, meta, dequantize=name not in keep_quantized)
         for alias, info in self.manifest.aliases.items():
             if tied and info["part"] == part:
-                tensors[alias] = self.load_tensor(info["target"])
+                tensors[alias] = self.load_tensor(info["target"], dequantize=info["target"] not in keep_quantized)
         placed = self._placed(part) if experts else []
         if placed:
             index = load_index(self)

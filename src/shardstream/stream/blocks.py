@@ -4,9 +4,8 @@ A forward pre-hook on a block fills its piece 0 (the small tensors) from its sou
 prefetcher, which reads the next pieces meanwhile) just before the block runs; a pre-hook on each
 big module fills that module's piece and a forward hook empties it right after, so that its memory
 is free before the reader starts another; piece 0 is emptied when the block ends. A block that is
-one piece is simply filled before it runs and emptied after. Used by the whole-model runtime
-(`model.StreamingModel`) and by a pipeline stage larger than its device's memory
-(`pipeline/streamed.py`).
+one piece is simply filled before it runs and emptied after. Used by the streaming engine
+(`model.StreamingModel`), whether it runs a whole model, a tensor-parallel rank or a pipeline stage.
 
 The reader reads pieces ahead in `named_modules()` order, the forward order of nearly every
 family; but not of all (Phi-3 defines `o_proj` before `qkv_proj`), and a piece asked for out of

@@ -41,11 +41,12 @@ MODES = ("auto", "on", "off", "dropped")
 READINGS = ("mapped", "dropped", "direct")
 
 
-def block_reading(store: Store, mode: str | None = None, memory: int | None = None, copy_free: bool = False) -> str:
+def block_reading(store: Store, mode: str | None = None, memory: int | None = None, copy_free: bool = False,
+                  blocks: range | None = None) -> str:
     """How streamed blocks are read (one of READINGS), from `mode` (default: $SHARDSTREAM_DIRECT_IO, else
     'auto'): 'on' is O_DIRECT, 'off' mapping, 'dropped' ordinary reads dropped from the page cache.
 
-    'auto' maps the blocks when their files fit in `memory` (default the memory available, a cgroup cap
+    'auto' maps the blocks (`blocks`, default all) when their files fit in `memory` (default the memory available, a cgroup cap
     included); otherwise caching them only costs reclaim, and it reads past the cache: with O_DIRECT where
     the read buffers get huge pages or a copy on the CPU costs more than it gains (`copy_free`: a GPU's
     page-locked buffers, a compute-bound batch), else dropped reads (see the module docstring).
@@ -62,8 +63,9 @@ def block_reading(store: Store, mode: str | None = None, memory: int | None = No
     if mode == "on":
         return "direct"
     files = store.manifest.files
-    blocks = sum(files[f].size for p, rec in store.manifest.parts.items() if p.startswith("mid/") for f in rec.files)
-    if blocks <= (available_memory()[0] if memory is None else memory):
+    parts = {f"mid/{index}" for index in (range(store.num_layers) if blocks is None else blocks)}
+    size = sum(files[f].size for p, rec in store.manifest.parts.items() if p in parts for f in rec.files)
+    if size <= (available_memory()[0] if memory is None else memory):
         return "mapped"
     return "direct" if copy_free or huge_pages() else "dropped"
 

@@ -79,7 +79,10 @@ def _stored(store: Store, mapper: WeightMapper, param: str, expected: torch.Tens
 class Ends:
     """The model's big embedding and head matrices, and where each is served from."""
 
-    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device):
+    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
+                 uses_embedding: bool = True, uses_head: bool = True):
+        """`uses_embedding`, `uses_head`: whether the model runs them (a pipeline stage's first or last block
+        may be another stage's); one left out is not looked for, and a tied pair is then no pair."""
         self.store, self.model = store, model
         self.embedding: StoredMatrix | None = None
         self.head: StoredMatrix | None = None
@@ -93,11 +96,12 @@ class Ends:
         embedding = f"{names[id(model.get_input_embeddings())]}.weight"
         head = f"{names[id(model.get_output_embeddings())]}.weight"
         self._slot_bytes = {name: params[name].nbytes for name in (embedding, head)}
-        self.embedding = _stored(store, mapper, embedding, params[embedding])
+        self.embedding = _stored(store, mapper, embedding, params[embedding]) if uses_embedding else None
         tied_keys = getattr(model, "all_tied_weights_keys", {}) or {}
-        found = _stored(store, mapper, head, params[head])
-        self.tied = tied_keys.get(head) == embedding or (found is not None and self.embedding is not None and
-                                                          (found.file, found.offset) == (self.embedding.file, self.embedding.offset))
+        found = _stored(store, mapper, head, params[head]) if uses_head else None
+        self.tied = uses_embedding and uses_head and (
+            tied_keys.get(head) == embedding or (found is not None and self.embedding is not None and
+                                                 (found.file, found.offset) == (self.embedding.file, self.embedding.offset)))
         if self.tied and self.embedding is not None:
             found = replace(self.embedding, name=head)
         self.head = found

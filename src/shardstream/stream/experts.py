@@ -59,8 +59,9 @@ class ExpertlessLoader(BlockLoader):
     Experts still inside a part (a `shard --experts` run that was killed before it rewrote the
     part) are dropped after the read."""
 
-    def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool, skip: set[str]):
-        super().__init__(store, mapper, device, verify, experts=False)
+    def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool, skip: set[str],
+                 blocks: range | None = None):
+        super().__init__(store, mapper, device, verify, experts=False, blocks=blocks)
         self._skip = skip
 
     def read(self, parts: list[str], resident: bool = False, keep: frozenset[str] | None = None,

@@ -102,10 +102,12 @@ class BlockLoader:
     """
 
     def __init__(self, store: Store, mapper: WeightMapper, device: torch.device, verify: bool,
-                 experts: bool = True, reading: str | None = None):
+                 experts: bool = True, reading: str | None = None, blocks: range | None = None):
         self.store = store
+        self.blocks = range(store.num_layers) if blocks is None else blocks   # block `index` is part mid/{blocks[index]}
         # how streamed blocks are read ('mapped', 'dropped', 'direct': direct.READINGS); may change once
-        self.reading = block_reading(store, copy_free=device.type == "cuda") if reading is None else reading
+        self.reading = (block_reading(store, copy_free=device.type == "cuda", blocks=self.blocks)
+                        if reading is None else reading)
         self._pool = BufferPool(pin=device.type == "cuda")
         self._experts = experts   # False: experts stored apart are left out (loaded on demand)
         self.mapper = mapper
@@ -199,7 +201,7 @@ class BlockLoader:
         """Ask again how streamed blocks are read, once the resident parts are in memory: under a cap they
         count against it, and a large resident head can leave the blocks no room in the page cache."""
         if self.reading == "mapped":
-            self.reading = block_reading(self.store, copy_free=self.device.type == "cuda")
+            self.reading = block_reading(self.store, copy_free=self.device.type == "cuda", blocks=self.blocks)
 
     def read_past_the_cache(self) -> None:
         """Read streamed blocks past the page cache from now on (O_DIRECT, else dropped reads), unless they
@@ -210,50 +212,58 @@ class BlockLoader:
             if reading != "mapped":
                 self.reading = reading
 
-    def pack_linear_weights(self, linear_weights: set[str]) -> None:
+    def pack_linear_weights(self, linear_weights: set[str], parts: list[str] | None = None) -> None:
         """Hand these Linears' and embeddings' weights (parameter names) over as stored, where a kernel multiplies
         them so: quantized ones packed (quant_linear.packable), and on the CPU the half-precision matrices of a
         float32 model (`_holds_as_stored`: "bfloat16 weights, float32 math", multiplied by half_linear), which
-        stay so in resident parts too. A tied tensor is handed over so only when every parameter it fills is one
-        of them (a tied embedding and head: one tensor serves both). On a CUDA GPU (the Triton kernel), only the
-        streamed blocks' quantized weights: they cross the bus as codes and stay so on the GPU; resident blocks
-        and the parts outside the blocks are dequantized once, at load, where the cost is paid once. Call before
-        reading anything."""
+        stay so in resident parts too. A tied tensor is handed over so only when every parameter it fills here
+        is one of them (a tied embedding and head: one tensor serves both; a pipeline stage may hold only one of
+        the two). `parts`: the store parts this model reads (default all). On a CUDA GPU (the Triton kernel), only
+        the streamed blocks' quantized weights: they cross the bus as codes and stay so on the GPU; resident
+        blocks and the parts outside the blocks are dequantized once, at load, where the cost is paid once. Call
+        before reading anything."""
         on_cpu = self.device.type == "cpu"
-        tensors = self.store.manifest.tensors
+        manifest = self.store.manifest
+        tensors = manifest.tensors
+        read = set(manifest.parts if parts is None else parts)
         aliases: dict[str, list[str]] = {}
-        for alias, info in self.store.manifest.aliases.items():
-            aliases.setdefault(info["target"], []).append(alias)
+        for alias, info in manifest.aliases.items():
+            if info["part"] in read:
+                aliases.setdefault(info["target"], []).append(alias)
         packed = {}
         held: set[str] = set()
         converted = 0   # half-precision matrices the kernel does not take
         saves: dict[str, tuple[int, bool]] = {}
-        for part in self.store.manifest.parts:
-            if not (on_cpu or part.startswith("mid/")):
+        seen: set[str] = set()
+        for part in manifest.parts:
+            if part not in read or not (on_cpu or part.startswith("mid/")):
                 continue
             for key in self.store.tensor_names(part):
-                name = self.mapper.linear_weight(key, linear_weights)
-                if not name or key not in tensors:
+                target = manifest.aliases.get(key, {}).get("target", key)
+                if target in seen or target not in tensors:
                     continue
-                record = tensors[key]
+                seen.add(target)
+                # the names this model reads the stored tensor by: its own where its part is read, its tied aliases
+                keys = [target] * (tensors[target].part in read) + aliases.get(target, [])
+                names = [self.mapper.linear_weight(k, linear_weights) for k in keys]
+                if not names or None in names:
+                    continue
+                record = tensors[target]
                 quantized = packable(record.quant, self.device)
-                as_stored = self._holds_as_stored(name, record)
+                as_stored = self._holds_as_stored(names[0], record)
                 converted += as_stored is False
                 if not (quantized or as_stored):
                     continue
-                tied = [self.mapper.linear_weight(alias, linear_weights) for alias in aliases.get(key, [])]
-                if None in tied:
-                    continue
                 if quantized:
                     resident = on_cpu   # a GPU dequantizes resident parts once, at load
-                    packed[key] = resident
+                    packed[target] = resident
                     stored = record.length + record.quant["absmax"]["length"]
                 else:
                     resident = True
-                    held.update([key, *aliases.get(key, [])])
+                    held.update([target, *keys])
                     stored = record.length
-                saves[name] = (self.mapper.nbytes(name) - stored, resident)
-                saves.update({other: (self.mapper.nbytes(other), resident) for other in tied})   # the same tensor
+                saves[names[0]] = (self.mapper.nbytes(names[0]) - stored, resident)
+                saves.update({other: (self.mapper.nbytes(other), resident) for other in names[1:]})   # the same tensor
         self.packed_keys = frozenset(packed)
         self._resident_packed = frozenset(key for key, resident in packed.items() if resident)
         self.mapper.held_as_stored = frozenset(held)
@@ -299,15 +309,19 @@ class BlockLoader:
         head's slices take (ends.py), so that the pool serves both with the same buffers."""
         return aligned(max((size for key, size in self._capacity.items() if key not in self.held), default=PIECE_BYTES))
 
+    def part(self, index: int) -> str:
+        """The store part that block `index` (counted from the first of `blocks`) is read from."""
+        return f"mid/{self.blocks[index]}"
+
     def checkpoint_keys(self, index: int) -> list[str]:
         """The checkpoint tensors a load of block `index` gives."""
-        return self.store.tensor_names(f"mid/{index}")
+        return self.store.tensor_names(self.part(index))
 
     def split(self, index: int, pieces: list[Piece]) -> list[list[str]] | None:
         """The checkpoint keys of each piece of block `index`; None when the block must be read whole
         (a remote store, tensors stored outside the part's own files, or a key feeding two pieces)."""
         keys = self.checkpoint_keys(index)
-        if getattr(self.store, "remote", False) or not set(keys) <= set(self.store.manifest.parts[f"mid/{index}"].tensors):
+        if getattr(self.store, "remote", False) or not set(keys) <= set(self.store.manifest.parts[self.part(index)].tensors):
             return None
         owner = {name: i for i, piece in enumerate(pieces) for name in piece.names}
         out: list[list[str]] = [[] for _ in pieces]
@@ -390,7 +404,7 @@ class BlockLoader:
         self._collect.mappings = mappings = []
         self._collect.buffers = buffers = []
         try:
-            tensors = self.read([f"mid/{index}"], resident, keep=self._codes_to_device or None)
+            tensors = self.read([self.part(index)], resident, keep=self._codes_to_device or None)
         except BaseException:
             self._pool.give(buffers)
             raise
@@ -472,7 +486,7 @@ class BlockLoader:
 
     def _verify_block(self, index: int) -> None:
         """The first piece read of a block checks its files whole, as a whole-block read would."""
-        part = f"mid/{index}"
+        part = self.part(index)
         with self._verifying:   # the prefetcher's readers may be reading two pieces of the block at once
             if not self._verify or part in self._verified:
                 return

@@ -15,12 +15,18 @@ from .linear import use_streaming_layers
 from .weights import parameters_on_meta
 
 
-def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torch.device | None = None) -> PreTrainedModel:
+def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torch.device | None = None,
+                     blocks: range | None = None) -> PreTrainedModel:
     """transformers' model class for the store's config, with parameters on `meta`, in `dtype` (None: the
     checkpoint's); given the `device` it will run on, `dtype` is a compute_dtype option ('auto': the dtype
-    that is fast there, see compute_dtype.py)."""
+    that is fast there, see compute_dtype.py). `blocks`: only these of the store's blocks, numbered from 0
+    (a pipeline stage's), so that the model's KV cache, positions and masks count exactly those layers."""
     try:
         config = AutoConfig.from_pretrained(store.root)
+        if blocks is not None:
+            config.num_hidden_layers = len(blocks)
+            if getattr(config, "layer_types", None):
+                config.layer_types = [config.layer_types[i] for i in blocks]
         stored = config_dtype(config)
         dtype = resolve_compute_dtype(dtype, stored, device) if device is not None else dtype or stored
         with parameters_on_meta():
@@ -34,6 +40,21 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
         ) from None
     use_streaming_layers(model)
     return model.eval()
+
+
+def block_renames(store: Store, blocks: range) -> dict[str, str | None]:
+    """Checkpoint name prefixes of the store's blocks -> those of `blocks` numbered from 0 ('model.layers.7.' ->
+    'model.layers.0.' for a range starting at block 7), as the model `build_meta_model` made for them names
+    them, and the others' -> None: their tensors fill nothing there."""
+    renames: dict[str, str | None] = {}
+    for block in range(store.num_layers):
+        prefix = common_module(set(store.tensor_names(f"mid/{block}")))
+        container, _, number = prefix.rpartition(".")
+        if not number.isdigit():
+            raise UnsupportedModel(f"block {block} of the store at {store.root} ({prefix!r}) is not an item of a "
+                                   "module list; run this family's blocks all together.")
+        renames[prefix + "."] = f"{container}.{block - blocks.start}." if block in blocks else None
+    return renames
 
 
 def checkpoint_dtype(store: Store) -> torch.dtype:

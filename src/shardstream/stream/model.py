@@ -33,7 +33,7 @@ from .experts import ExpertlessLoader, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
-from .meta import WrapsModel, build_meta_model, checkpoint_dtype, common_module
+from .meta import WrapsModel, block_renames, build_meta_model, checkpoint_dtype, common_module
 from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
@@ -48,9 +48,10 @@ from .weights import Slots, WeightMapper
 COMPUTE_BOUND_ROWS = 4
 
 
-def _check_files(store: Store) -> None:
-    """A deleted part file would otherwise surface only when its block is first needed."""
-    for name in store.manifest.files:
+def _check_files(store: Store, parts: list[str]) -> None:
+    """A deleted file of these parts would otherwise surface only when its block is first needed."""
+    aliased = {store.manifest.tensors[a["target"]].file for a in store.manifest.aliases.values() if a["part"] in parts}
+    for name in sorted({f for part in parts for f in store.part_files(part)} | aliased):
         path = store.file_path(name)
         if not path.is_file():
             raise StoreIncomplete(
@@ -58,18 +59,40 @@ def _check_files(store: Store) -> None:
             )
 
 
+def _block_range(store: Store, blocks: range | None) -> range:
+    """The store's blocks a model runs: `blocks`, checked, or all of them."""
+    count = store.num_layers
+    if count == 0:
+        raise UnsupportedModel(
+            f"the store at {store.root} has no per-block parts (model_type "
+            f"{store.config.get('model_type')!r} was stored one tensor per part); streaming needs blocks."
+        )
+    if blocks is None:
+        return range(count)
+    if blocks.step != 1 or not 0 <= blocks.start < blocks.stop <= count:
+        raise InvalidOption(f"blocks {list(blocks)[:1]} to {list(blocks)[-1:]} are not a range of the {count} blocks "
+                            f"of the store at {store.root} (0 to {count - 1}); re-plan.")
+    return blocks
+
+
 class StreamingModel(TransformersHabits, WrapsModel):
     """Call it like a transformers model (`model(ids).logits`, `model.generate(...)`). `max_seq_len`: the
     longest prompt plus new tokens a call may run (None: the model's context). `shape_model(model)` changes
-    the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py)."""
+    the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py).
+    `blocks`: run only these of the store's blocks (a pipeline stage's), numbered from 0 in `model`; the
+    embedding is held only by a range that starts at the first block, the final norm and head only by one
+    that ends at the last, and a later range's caller hands its first block the hidden states."""
 
     def __init__(self, store: Store, options: EngineOptions | None = None, *, device: str | torch.device = "cpu",
-                 shape_model: Callable[[torch.nn.Module], None] | None = None, **engine):
+                 shape_model: Callable[[torch.nn.Module], None] | None = None, blocks: range | None = None, **engine):
         """`options`: the engine's options as one value, or given one by one (`engine`: EngineOptions' fields)."""
         options = engine_options(options, engine)
         self.options = options
-        _check_files(store)
         self.store = store
+        self.blocks = _block_range(store, blocks)
+        outside = self._outside_parts()
+        parts = outside + [f"mid/{index}" for index in self.blocks]   # what this model reads of the store
+        _check_files(store, parts)
         self.closed = False
         self.max_seq_len = options.max_seq_len
         self.device = torch.device(device)
@@ -77,29 +100,34 @@ class StreamingModel(TransformersHabits, WrapsModel):
             raise InvalidOption("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'.")
         self.profiling_mode = options.profiling_mode
         self.profile = Profile()
-        self.model = build_meta_model(store, options.compute_dtype, self.device)
+        partial = self.blocks != range(store.num_layers)
+        self.model = build_meta_model(store, options.compute_dtype, self.device, self.blocks if partial else None)
         self._checkpoint_element = checkpoint_dtype(store).itemsize   # blocks are cut by it (pieces.split_block)
         if shape_model is not None:
             shape_model(self.model)
         self._buffers_to_device()
-        mapper = WeightMapper(self.model)
+        mapper = WeightMapper(self.model, block_renames(store, self.blocks) if partial else None)
         check_stored_shapes(store, self.model, mapper)
-        self.experts = OnDemandExperts(store, self.model, mapper, self.device) if options.experts == "on_demand" else None
-        self._loader = (ExpertlessLoader(store, mapper, self.device, options.verify_checksums, self.experts.checkpoint_names)
-                        if self.experts else BlockLoader(store, mapper, self.device, options.verify_checksums))
+        self.experts = (OnDemandExperts(store, self.model, mapper, self.device, self.blocks)
+                        if options.experts == "on_demand" else None)
+        self._loader = (ExpertlessLoader(store, mapper, self.device, options.verify_checksums, self.experts.checkpoint_names,
+                                         self.blocks)
+                        if self.experts else BlockLoader(store, mapper, self.device, options.verify_checksums, blocks=self.blocks))
         prefixes = self._block_prefixes(mapper)
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
+        unused = self._unused_modules(mapper, outside)
         self._loader.host_budget = resolve_host_budget(options.max_host_memory, self.device)
-        self._loader.pack_linear_weights(packable_weights(self.model))
-        blocks = [self.model.get_submodule(p) for p in prefixes]
+        self._loader.pack_linear_weights(packable_weights(self.model), parts)
+        self.block_modules = blocks = [self.model.get_submodule(p) for p in prefixes]   # the decoder blocks, in order
         pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options.piece_bytes, options.prefetch_depth)
         sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if options.prefetching else 1
         streaming = working_set(pieces, in_flight)
-        self._ends = Ends(store, self.model, mapper, self.device)
+        self._ends = Ends(store, self.model, mapper, self.device, uses_embedding=self.blocks.start == 0,
+                          uses_head=self.blocks.stop == store.num_layers)
         head_buffers = self._loader.piece_buffer_bytes()
 
         def place() -> int:
@@ -111,7 +139,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             budget = resolve_budget(options.max_resident_memory, fixed, self.device)
             return budget - self._ends.place(budget, streaming)
 
-        budget = self._fill_resident_parts(mapper, prefixes, place)
+        budget = self._fill_resident_parts(mapper, outside, prefixes + list(unused), place)
         self._loader.choose_reading_again()
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, lambda: self._loader.reading,
                                            options.verify_checksums)
@@ -144,13 +172,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
                     module._buffers[name] = buffer.to(self.device)
 
     def _block_prefixes(self, mapper: WeightMapper) -> list[str]:
-        if self.store.num_layers == 0:
-            raise UnsupportedModel(
-                f"the store at {self.store.root} has no per-block parts (model_type "
-                f"{self.store.config.get('model_type')!r} was stored one tensor per part); streaming needs blocks."
-            )
         prefixes = []
-        for index in range(self.store.num_layers):
+        for index in self.blocks:
             names = mapper.target_names(self.store.tensor_names(f"mid/{index}"))
             prefix = common_module(names) if names else ""
             if not prefix:
@@ -161,9 +184,32 @@ class StreamingModel(TransformersHabits, WrapsModel):
             prefixes.append(prefix)
         return prefixes
 
+    def _outside_parts(self) -> list[str]:
+        """The parts outside the blocks that this model holds: all of them for the whole model; for a range of
+        blocks, the start only with the first block, the end only with the last."""
+        count = self.store.num_layers
+        return [p for p in self.store.parts if not p.startswith("mid/")
+                and (p != "start" or self.blocks.start == 0) and (p != "end" or self.blocks.stop == count)]
+
+    def _unused_modules(self, mapper: WeightMapper, outside: list[str]) -> tuple[str, ...]:
+        """The modules outside its blocks that a range of blocks does not run (another stage's embedding, final
+        norm or head): they stay on meta. A range after the first refuses a model that uses more than the token
+        embedding before its blocks (GPT-2's position embedding), which its forward would still run."""
+        others = [p for p in self.store.parts if not p.startswith("mid/") and p not in outside]
+        unused = set().union(*(mapper.target_names(self.store.tensor_names(p)) for p in others))
+        if self.blocks.start > 0:
+            embedding = next(n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings())
+            before = [n for n in mapper.target_names(self.store.tensor_names("start")) if not n.startswith(embedding + ".")]
+            if before:
+                raise UnsupportedModel(
+                    f"{type(self.model).__name__} uses {sorted(before)[:3]} before its blocks besides the token "
+                    f"embeddings, so blocks from {self.blocks.start} on cannot run without them; run it whole "
+                    "(plan it on one device).")
+        return tuple(sorted({name.rpartition(".")[0] for name in unused}))
+
     def _check_blocks(self, mapper: WeightMapper) -> None:
         """Every block's parameters must come from its part, or the forward pass would meet meta tensors."""
-        for index, slots in enumerate(self._slots):
+        for index, slots in zip(self.blocks, self._slots):
             missing = slots.names - mapper.target_names(self.store.tensor_names(f"mid/{index}"))
             if missing:
                 raise UnsupportedModel(
@@ -235,17 +281,19 @@ class StreamingModel(TransformersHabits, WrapsModel):
             f"{(need - available >> 20) + 1} MiB more, or stream a 4-bit store (`shardstream convert --compression 4bit`)."
         )
 
-    def _fill_resident_parts(self, mapper: WeightMapper, prefixes: list[str], place: Callable[[], int]) -> int:
+    def _fill_resident_parts(self, mapper: WeightMapper, outside: list[str], elsewhere: list[str],
+                             place: Callable[[], int]) -> int:
         """Embeddings, final norm, head (and anything else outside the blocks) stay in memory, each read
         once (a tied head is the embedding's tensor, not a second copy), but for the big embedding/head
         that `place()` decides to stream (ends.py): their parts' other tensors are read one by one. The
         parts holding no such candidate are read first, so that `place` sees them in memory; returns what
-        it returned."""
-        self._resident_slots = Slots(self.model, exclude=tuple(prefixes))
-        outside = [p for p in self.store.parts if not p.startswith("mid/")]
+        it returned. `outside`: the parts outside the blocks that this model reads; `elsewhere`: the modules not
+        filled here (the blocks, and those a range of blocks does not run)."""
+        self._resident_slots = Slots(self.model, exclude=tuple(elsewhere))
         held = [p for p in outside if mapper.target_names(self.store.tensor_names(p)) & self._ends.names]
         mappings: list = []
-        tensors = self._loader.read([p for p in outside if p not in held], resident=True, tied=False, mappings=mappings)
+        aliased = self.blocks.start > 0   # a tied head's embedding read with it: a range after the start holds no other
+        tensors = self._loader.read([p for p in outside if p not in held], resident=True, tied=aliased, mappings=mappings)
         budget = place()
         streamed = self._ends.streamed
         for part in held:
@@ -254,7 +302,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
                 tensors.update({k: self.store.load_tensor(k) for k in keys
                                 if k in self.store.manifest.tensors and not mapper.target_names([k]) & streamed})
             else:
-                tensors.update(self._loader.read([part], resident=True, tied=False, mappings=mappings))
+                tensors.update(self._loader.read([part], resident=True, tied=aliased, mappings=mappings))
         for alias, info in self.store.manifest.aliases.items():  # one tensor in memory for tied weights
             if info["target"] in tensors:
                 tensors[alias] = tensors[info["target"]]

@@ -43,9 +43,12 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 class WeightMapper:
-    """Renames and converts checkpoint tensors into the model's parameter names and shapes."""
+    """Renames and converts checkpoint tensors into the model's parameter names and shapes. `renames`: checkpoint
+    name prefixes to read as others first, or (None) to leave out (a model of some blocks only numbers them from
+    0: meta.block_renames)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, renames: dict[str, str | None] | None = None):
+        self._renames = renames or {}
         mapping = get_model_conversion_mapping(model)
         self._renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
@@ -63,8 +66,13 @@ class WeightMapper:
         block's keys are renamed again on every pass, and transformers' regexes are a large part of what
         converting them costs (docs/BENCHMARKS.md, section "Many tokens per weight read")."""
         if key not in self._renamed:
-            renamed, pattern = rename_source_key(key, self._renamings, self._converters, self._prefix, self._expected)
-            self._renamed[key] = (key, None) if renamed not in self._expected and key in self._expected else (renamed, pattern)
+            old = next((old for old in self._renames if key.startswith(old)), None)
+            if old is not None and self._renames[old] is None:
+                self._renamed[key] = ("", None)   # no parameter is named ""
+                return self._renamed[key]
+            local = key if old is None else self._renames[old] + key[len(old):]
+            renamed, pattern = rename_source_key(local, self._renamings, self._converters, self._prefix, self._expected)
+            self._renamed[key] = (local, None) if renamed not in self._expected and local in self._expected else (renamed, pattern)
         return self._renamed[key]
 
     def target_names(self, keys: list[str]) -> set[str]:
