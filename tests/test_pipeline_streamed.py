@@ -36,9 +36,9 @@ def _memcap_usable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory):
+def big(module_tmp_path):
     """(store, reference): a 24-block llama of 13 MiB blocks, 312 MiB in float32."""
-    folder = tmp_path_factory.mktemp("big")
+    folder = module_tmp_path
     config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=128,
                                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)

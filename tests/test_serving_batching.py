@@ -100,7 +100,6 @@ def test_one_pass_over_the_blocks_serves_the_whole_batch(llama):
     _, model = llama
     with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=4) as engine:
         sequences = [engine.submit(_prompt(4 + i, i), SamplingParams(max_new_tokens=6)) for i in range(4)]
-        engine._notify()
         for sequence in sequences:
             assert len(_tokens(sequence)[0]) == 6
         assert engine.tokens_generated == 24
@@ -191,25 +190,13 @@ def test_a_long_prefill_is_chunked_between_the_decode_steps_of_the_others():
         assert len(_tokens(running)[0]) == 19
 
 
-def _prefill_passes(engine: BatchEngine) -> list[tuple[int, int]]:
-    """Watch the engine's passes: the (rows, columns) of every pass, prefill and decode, in order."""
-    shapes: list[tuple[int, int]] = []
-    forward = engine._forward
-
-    def watched(ids, *args):
-        shapes.append(tuple(ids.shape))
-        return forward(ids, *args)
-
-    engine._forward = watched
-    return shapes
-
-
 def test_an_idle_engine_prefills_a_burst_in_one_pass_and_chunks_beside_decoding():
     """Nothing decoding: 4 prompts of 10 tokens in one pass, not 5 chunks of 8 tokens; with a sequence
     decoding, the newcomer's 10 tokens go in chunks of 8 (4 rows x 2 columns would stall it longer)."""
     reference = tiny_model("llama")
-    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8) as engine:
-        passes = _prefill_passes(engine)
+    passes: list[tuple[int, int]] = []   # (rows, columns) of every pass, prefill and decode, in order
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8,
+                     on_pass=lambda rows, columns: passes.append((rows, columns))) as engine:
         burst = [engine.submit(_prompt(10, i), SamplingParams(max_new_tokens=3)) for i in range(4)]
         assert [_tokens(s)[0] for s in burst] == [_alone(reference, _prompt(10, i), 3) for i in range(4)]
         assert passes[0] == (4, 10) and len(passes) == 3   # one prefill pass, two decode steps
@@ -226,23 +213,25 @@ def test_an_idle_prefill_that_does_not_fit_in_memory_goes_in_chunks(llama):
     a sequence alone that fits neither way goes in chunks too."""
     _, model = llama
     prompts = [_prompt(40, i) for i in range(4)]
-    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8) as engine:
+    passes: list[tuple[int, int]] = []
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8,
+                     memory_left=lambda: free,   # the memory the machine has left, as measured: set below
+                     on_pass=lambda rows, columns: passes.append((rows, columns))) as engine:
         unsent = [open_sequence(p, SamplingParams(max_new_tokens=2), 128, "cpu", lambda: None) for p in prompts]
-        one_pass = engine._needs(unsent, engine.idle_prefill_tokens)[1]
-        chunked = engine._needs(unsent, engine.prefill_chunk_tokens)[1]
-        alone = engine._needs(unsent[:1], engine.prefill_chunk_tokens, ahead=1)[1]   # counted while none runs
+        one_pass = engine.memory_needs(unsent, engine.idle_prefill_tokens)[1]
+        chunked = engine.memory_needs(unsent, engine.prefill_chunk_tokens)[1]
+        alone = engine.memory_needs(unsent[:1], engine.prefill_chunk_tokens, ahead=1)[1]   # counted while none runs
         assert chunked < one_pass
-        engine._room = lambda: (chunked + one_pass) // 2   # the memory the machine has left, as measured
-        passes = _prefill_passes(engine)
+        free = (chunked + one_pass) // 2
         group = [engine.submit(p, SamplingParams(max_new_tokens=2)) for p in prompts]
         for sequence in group:
             assert len(_tokens(sequence)[0]) == 2
         assert passes[:20] == [(4, 2)] * 20
         # one sequence alone fitting neither way is refused (it was run anyway, into the kernel's kill)
-        engine._room = lambda: alone // 2
+        free = alone // 2
         with pytest.raises(InsufficientMemory, match="a prompt of 40 tokens needs .* left; send a shorter prompt"):
             _tokens(engine.submit(prompts[0], SamplingParams(max_new_tokens=2)))
-        engine._room = lambda: alone   # the engine lives: one that fits is answered
+        free = alone   # the engine lives: one that fits is answered
         assert len(_tokens(engine.submit(prompts[0], SamplingParams(max_new_tokens=2)))[0]) == 2
 
 
@@ -251,22 +240,14 @@ def test_a_sequence_whose_tokens_ahead_do_not_fit_grows_its_cache_until_the_memo
     ahead as the memory left holds (here a fixed amount the engine is told), its reservation widens as its
     tokens come while that memory holds it, and it ends with "length" where it holds no more; its tokens
     are those it has alone, and the reservation never passed the memory."""
-    from shardstream.serving import kvcache
-
     reference = tiny_model("llama")
     prompt, asked = _prompt(5, 1), SamplingParams(max_new_tokens=50)
-    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0) as engine:
+    reserved: list[int] = []   # the batch's reservation after every pass
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0,
+                     memory_left=lambda: memory - engine.reserved_bytes,   # `memory` (set below) in all
+                     on_pass=lambda rows, columns: reserved.append(engine.reserved_bytes)) as engine:
         unsent = open_sequence(prompt, asked, 128, "cpu", lambda: None)
-        memory = engine._needs([unsent], engine.idle_prefill_tokens, ahead=20)[1]
-        engine._room = lambda: memory - kvcache.reserved_bytes(engine._cache)
-        reserved, forward = [], engine._forward
-
-        def recorded(*args):
-            logits = forward(*args)
-            reserved.append(kvcache.reserved_bytes(engine._cache))
-            return logits
-
-        engine._forward = recorded
+        memory = engine.memory_needs([unsent], engine.idle_prefill_tokens, ahead=20)[1]
         with caplog.at_level(logging.WARNING, logger="shardstream.batching"):
             tokens, finish = _tokens(engine.submit(prompt, asked))
     assert finish == "length" and 20 < len(tokens) < 50, (finish, len(tokens))
@@ -322,23 +303,18 @@ def test_the_reserved_cache_writes_in_place_and_gives_transformers_logits(family
 def test_the_batch_takes_the_memory_admission_counted(llama):
     """The running batch's reservation is exactly what admission's kv_peak counts for it (rows x
     (widest row + most tokens still to come) x KV bytes per token), after joins and leaves."""
-    from shardstream.serving import kvcache
     from shardstream.serving.admission import kv_peak
 
     _, model = llama
     seen = []
-    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=8) as engine:
-        forward = engine._forward
 
-        def recorded(*args):
-            logits = forward(*args)
-            if engine._running:
-                remaining = max(s.params.max_new_tokens - len(s.generated) for s in engine._running)
-                seen.append((kvcache.reserved_bytes(engine._cache),
-                             kv_peak(engine.shape, len(engine._running), engine._mask.shape[1], remaining)))
-            return logits
+    def recorded(rows: int, columns: int) -> None:
+        running = engine.running
+        if running:
+            remaining = max(s.params.max_new_tokens - len(s.generated) for s in running)
+            seen.append((engine.reserved_bytes, kv_peak(engine.shape, len(running), engine.batch_width, remaining)))
 
-        engine._forward = recorded
+    with BatchEngine(model, eos_token_ids=set(), pad_token_id=0, max_batch_size=8, on_pass=recorded) as engine:
         first = [engine.submit(_prompt(n, n), SamplingParams(max_new_tokens=m)) for n, m in ((4, 12), (9, 3))]
         next(iter(first[0]))
         late = engine.submit(_prompt(6, 7), SamplingParams(max_new_tokens=5))

@@ -49,8 +49,8 @@ pytestmark = pytest.mark.skipif(_memcap_missing() is not None, reason=_memcap_mi
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("capped")
+def store(module_tmp_path):
+    folder = module_tmp_path / "capped"
     config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                                   num_attention_heads=16, num_key_value_heads=16, vocab_size=128,
                                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -120,11 +120,11 @@ def test_32_concurrent_clients_under_a_memory_cap_all_get_their_greedy_answer(st
 
 
 @pytest.fixture(scope="module")
-def long_context_store(tmp_path_factory):
+def long_context_store(module_tmp_path):
     """A model whose KV cache is large and its weights small: 1 MiB of float32 keys and values a token (8
     layers of 16 heads of 1,024), 17 MB of weights, a 32,768-token context (a whole context of cache is
     32 GiB) and no end-of-sequence token, so that only the context or the memory ends a request."""
-    folder = tmp_path_factory.mktemp("long")
+    folder = module_tmp_path / "long"
     config = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=8,
                                   num_attention_heads=16, num_key_value_heads=16, head_dim=1024, vocab_size=128,
                                   max_position_embeddings=32768, bos_token_id=1, eos_token_id=None,

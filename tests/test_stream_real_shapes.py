@@ -55,14 +55,14 @@ def cpu(request, monkeypatch) -> torch.dtype:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp_path):
     """name -> (checkpoint, store), each made once for the module."""
     made: dict[str, tuple[Path, Path]] = {}
 
     def get(shape: str, **overrides) -> tuple[Path, Path]:
         name = shape + "".join(f"-{k}={v}" for k, v in overrides.items())
         if name not in made:
-            root = tmp_path_factory.mktemp(name)
+            root = module_tmp_path / name
             ckpt = write_checkpoint(shape, root / "ckpt", layers=LAYERS, **overrides)
             convert(ckpt, root / "store", progress=False)
             made[name] = (ckpt, root / "store")

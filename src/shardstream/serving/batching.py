@@ -19,6 +19,7 @@ prefilled together in chunks between decode steps, then their cache rows are mer
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -101,7 +102,13 @@ class BatchEngine:
 
     def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_batch_size: int = 32,
                  kv_cache_budget: int | str | None = "auto", prefill_chunk_tokens: int = 512,
-                 idle_prefill_tokens: int = 4096, gather_seconds: float = 0.05, cache_ops=kvcache):
+                 idle_prefill_tokens: int = 4096, gather_seconds: float = 0.05, cache_ops=kvcache,
+                 memory_left: Callable[[], int] | None = None, on_pass: Callable[[int, int], None] | None = None):
+        """`memory_left`: bytes the batch may still take now, asked at every admission and before the cache
+        grows, under a memory bound only (kv_cache_budget not None); by default measured on the model's
+        device (admission.room). Given, it holds the batch to less than the machine has, or to a known amount.
+        `on_pass(rows, columns)`: called on the engine's thread after each pass over the blocks with its
+        rows and new columns, to see how the work was batched; what it raises fails that pass's sequences."""
         if max_batch_size < 1:
             raise InvalidOption(f"max_batch_size must be at least 1, not {max_batch_size}.")
         for name, tokens in (("prefill_chunk_tokens", prefill_chunk_tokens), ("idle_prefill_tokens", idle_prefill_tokens)):
@@ -120,6 +127,8 @@ class BatchEngine:
         self.kv_cache_budget = resolve_kv_budget(kv_cache_budget)
         self.memory_bound = kv_cache_budget is not None   # "auto" or a number: admit only what memory holds
         self.device = torch.device(getattr(model, "device", "cpu"))
+        self._memory_left = memory_left or functools.partial(room, self.device)
+        self._on_pass = on_pass
         if self.memory_bound:
             map_large_allocations()
         if self.memory_bound and self.device.type == "cpu":
@@ -156,6 +165,47 @@ class BatchEngine:
             self._waiting.append(sequence)
             self._condition.notify()
         return sequence
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """The sequences of the running batch, in row order (those prefilling have not joined yet)."""
+        return tuple(self._running)
+
+    @property
+    def batch_width(self) -> int:
+        """Columns of the running batch so far, padding included: its longest row's tokens (0 when none run)."""
+        mask = self._mask   # once: the engine's thread may drop it meanwhile
+        return mask.shape[1] if mask is not None else 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """KV-cache bytes the running batch holds reserved, columns to come included."""
+        return kvcache.reserved_bytes(self._cache)
+
+    def memory_needs(self, group: list[Sequence], chunk_tokens: int, ahead: int = KV_AHEAD_TOKENS) -> tuple[int, int]:
+        """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
+        is allocated now, at the worst of three moments: the group's prefill passes (the running batch's
+        reservation, the group's own and a prefill pass's activations), the merge (the merged reservation
+        built a layer at a time while the old ones are dropped), and the reservation's last token (the
+        merged reservation plus a decode pass's activations). What admission compares with `memory_left`.
+
+        The batch is left-padded, so every row is as wide as the widest: the merged width (the running
+        width after the group's prefill passes, or the group's longest prompt) plus the most tokens any
+        row has ahead (`_ahead`, at most `ahead`); that is what kvcache reserves."""
+        shape, running = self.shape, len(self._running)
+        longest = max(s.prompt_tokens for s in group)
+        passes, columns = prefill_passes(len(group), longest, chunk_tokens)
+        running_width = self._mask.shape[1] + passes if running else 0
+        width = max(running_width, longest)
+        remaining = min(ahead, max(_ahead(s) for s in [*self._running, *group]))
+        kv = kv_peak(shape, running + len(group), width, remaining)
+        allocated = kvcache.reserved_bytes(self._cache)
+        own = kv_peak(shape, len(group), longest, 0)   # the group's cache holds its prompts until it joins
+        echo = any(s.params.prompt_logprobs for s in group)
+        prefill = allocated + own + shape.pass_bytes(len(group), columns, longest, longest if echo else 1)
+        merge = max(kv // shape.layers + allocated + own, kv + (allocated + own) // shape.layers)
+        last = kv + shape.pass_bytes(running + len(group), 1, width + remaining, 1)
+        return kv, max(prefill, merge, last) - allocated
 
     def __enter__(self) -> BatchEngine:
         return self
@@ -270,34 +320,9 @@ class BatchEngine:
                 sequence.emit(TokenEvent(NO_TOKEN, None, sequence.cancel_reason))
         self._keep_unfinished()
 
-    def _needs(self, group: list[Sequence], chunk_tokens: int, ahead: int = KV_AHEAD_TOKENS) -> tuple[int, int]:
-        """(KV bytes of the running batch with `group` merged in, at its widest; bytes it needs beyond what
-        is allocated now, at the worst of three moments: the group's prefill passes (the running batch's
-        reservation, the group's own and a prefill pass's activations), the merge (the merged reservation
-        built a layer at a time while the old ones are dropped), and the reservation's last token (the
-        merged reservation plus a decode pass's activations).
-
-        The batch is left-padded, so every row is as wide as the widest: the merged width (the running
-        width after the group's prefill passes, or the group's longest prompt) plus the most tokens any
-        row has ahead (`_ahead`, at most `ahead`); that is what kvcache reserves."""
-        shape, running = self.shape, len(self._running)
-        longest = max(s.prompt_tokens for s in group)
-        passes, columns = prefill_passes(len(group), longest, chunk_tokens)
-        running_width = self._mask.shape[1] + passes if running else 0
-        width = max(running_width, longest)
-        remaining = min(ahead, max(_ahead(s) for s in [*self._running, *group]))
-        kv = kv_peak(shape, running + len(group), width, remaining)
-        allocated = kvcache.reserved_bytes(self._cache)
-        own = kv_peak(shape, len(group), longest, 0)   # the group's cache holds its prompts until it joins
-        echo = any(s.params.prompt_logprobs for s in group)
-        prefill = allocated + own + shape.pass_bytes(len(group), columns, longest, longest if echo else 1)
-        merge = max(kv // shape.layers + allocated + own, kv + (allocated + own) // shape.layers)
-        last = kv + shape.pass_bytes(running + len(group), 1, width + remaining, 1)
-        return kv, max(prefill, merge, last) - allocated
-
     def _room(self) -> int | None:
         """Bytes the batch may still take now (None: no memory bound)."""
-        return room(self.device) if self.memory_bound else None
+        return self._memory_left() if self.memory_bound else None
 
     def _admit(self) -> _Prefill | None:
         """Take waiting sequences while the batch size, the KV-cache budget and the memory left allow; say
@@ -317,9 +342,9 @@ class BatchEngine:
                     bound = limit = f"max_batch_size={self.max_batch_size}"
                     break
                 candidate = [*group, self._waiting[0]]
-                kv, needed = self._needs(candidate, chunk)
+                kv, needed = self.memory_needs(candidate, chunk)
                 if free is not None and needed > free and chunk > self.prefill_chunk_tokens:
-                    smaller = self._needs(candidate, self.prefill_chunk_tokens)
+                    smaller = self.memory_needs(candidate, self.prefill_chunk_tokens)
                     if smaller[1] <= free or not group:   # it fits chunked; or it goes alone: the least memory
                         chunk, (kv, needed) = self.prefill_chunk_tokens, smaller
                 alone = len(self._running) + len(candidate) == 1
@@ -358,10 +383,10 @@ class BatchEngine:
         """The most tokens ahead (halved from KV_AHEAD_TOKENS down to 1) whose needs fit `free` bytes, for
         one sequence alone, and those needs; the needs of 1 when none fits."""
         ahead = KV_AHEAD_TOKENS
-        needed = self._needs(alone, chunk_tokens, ahead)[1]
+        needed = self.memory_needs(alone, chunk_tokens, ahead)[1]
         while ahead > 1 and needed > free:
             ahead //= 2
-            needed = self._needs(alone, chunk_tokens, ahead)[1]
+            needed = self.memory_needs(alone, chunk_tokens, ahead)[1]
         return ahead, needed
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, all_logits: bool) -> torch.Tensor:
@@ -370,6 +395,8 @@ class BatchEngine:
             out = self.model(ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
                              past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.forward_passes += 1
+        if self._on_pass is not None:
+            self._on_pass(*ids.shape)
         return out.logits
 
     def _prefill_step(self) -> None:
