@@ -14,7 +14,8 @@ streams blocks from disk, and tok/s is set against the agents' disk read floor.
 `--shape llama-3.2-1b` runs a real shape's store (scripts/real_shapes.py, all its blocks; `--compression
 4bit` its 4-bit store too) as two agents under `--cap` each against one process streaming the same store
 under `--single-cap`, alternating rounds: greedy tokens checked equal (and, for the unquantized store, to
-transformers' own model on the same weights), median decode tok/s of each and their ratio. The agents
+transformers' own model on the same weights, computing in the dtype the engine chose), median decode tok/s
+of each and their ratio. The agents
 share this host and a request's stages run one after the other, so each agent gets all its cores.
 """
 
@@ -353,9 +354,14 @@ def shape_main(args) -> None:
         stores[compression] = work / ("store" if compression == "none" else f"store-{compression}")
         if not (stores[compression] / "manifest.json").exists():
             convert(ckpt, stores[compression], compression=None if compression == "none" else compression, progress=False)
-    reference = AutoModelForCausalLM.from_pretrained(ckpt).eval()
-    expected = reference.generate(shape_prompt(), max_new_tokens=args.tokens, do_sample=False)[0, 16:].tolist()
-    del reference
+    expected: dict[str, list[int]] = {}   # transformers' greedy tokens, in each compute dtype the engine took
+
+    def transformers_tokens(dtype: str) -> list[int]:
+        if dtype not in expected:
+            reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype.removeprefix("torch."))).eval()
+            expected[dtype] = reference.generate(shape_prompt(), max_new_tokens=args.tokens, do_sample=False)[0, 16:].tolist()
+        return expected[dtype]
+
     rows = []
     for compression, store in stores.items():
         for round_ in range(1, args.rounds + 1):
@@ -365,8 +371,8 @@ def shape_main(args) -> None:
             except Exception as error:   # an agent killed, a plan refused: the row says so
                 staged = f"failed: {str(error)[:160]}"
             both = isinstance(single, dict) and isinstance(staged, dict)
-            exact = (staged["tokens"] == expected if compression == "none" else "n/a (4-bit weights)") \
-                if isinstance(staged, dict) else ""
+            exact = (staged["tokens"] == transformers_tokens(single["dtype"]) if compression == "none" else "n/a (4-bit weights)") \
+                if both else ""
             rows.append([compression, str(round_),
                          *([f"{1 / staged['step']:.2f}", staged["peak"], staged["layout"]] if isinstance(staged, dict)
                            else [staged, "", ""]),
