@@ -1,4 +1,4 @@
-"""Issue 7: tensor-parallel rank loads, verification speed, and MoE experts on demand, in one run.
+"""Tensor-parallel rank loads, verification speed, and MoE experts on demand, in one run.
 
 Run: `.venv/bin/python benchmarks/shard.py` (about 2-4 minutes on 2 cores; the first run also builds
 and caches the checkpoints and stores under artifacts/bench/shard-*; later runs reuse them).

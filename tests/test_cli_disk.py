@@ -1,4 +1,4 @@
-"""`shardstream convert` onto a small disk (a real tmpfs), as a user runs it (issue 29): it stops
+"""`shardstream convert` onto a small disk (a real tmpfs), as a user runs it: it stops
 before writing what cannot fit, in one sentence with sizes in MB, and warns in one line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One vocabulary of options and names across commands (issue 29), each command run as a user runs
+"""One vocabulary of options and names across commands, each command run as a user runs
 it: a subprocess, real servers on 127.0.0.1 (a Hub stand-in for the token and the revision)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Repairing a damaged store whose source shards a `--sequential` or `--delete-original` run deleted
-(issue 29): the CLI as a user runs it, in a subprocess."""
+"""Repairing a damaged store whose source shards a `--sequential` or `--delete-original` run deleted:
+the CLI as a user runs it, in a subprocess."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def test_verify_a_file_is_one_sentence(tmp_path):
 
 
 def test_experts_on_a_dense_model_is_one_sentence_and_exit_1(tmp_path):
-    """Issue 29: it said "0 experts placed" and exited 0."""
+    """`shard --experts` on a dense model says so in one sentence and exits 1, not "0 experts placed" and 0."""
     save_checkpoint("llama", tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "store", progress=False)
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "store").rglob("*"))

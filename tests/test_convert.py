@@ -130,7 +130,7 @@ def test_rerun_skips_complete_parts(tmp_path):
 
 
 def test_truncated_shard_aborts_before_anything_is_deleted(tmp_path):
-    """Issue 12 item 4: every local shard is checked up front, so a cut last shard costs nothing."""
+    """Every local shard is checked up front, so a cut last shard costs nothing."""
     src = tmp_path / "src"
     save_checkpoint("llama", src)
     shards = sorted(src.glob("*.safetensors"))
@@ -284,7 +284,7 @@ def test_maps_from_a_real_index(tmp_path):
 
 
 def test_nothing_is_deleted_or_committed_before_it_is_durable(tmp_path, monkeypatch):
-    """Issue 12 item 14: part files and progress records skip their own fsync, so the batched pass
+    """Part files and progress records skip their own fsync, so the batched pass
     must cover them: when a source shard is deleted, every tensor taken from it is in a manifest
     that was fsynced, in a file that was fsynced, in a folder that was fsynced; likewise at commit."""
     save_checkpoint("llama", tmp_path / "src")

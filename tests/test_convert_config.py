@@ -1,4 +1,4 @@
-"""A config.json that contradicts its checkpoint is named at convert time (issue 29): the CLI as a
+"""A config.json that contradicts its checkpoint is named at convert time: the CLI as a
 user runs it, in a subprocess; one sentence, exit 1, nothing written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12: convert and the store cache lose nothing and answer nothing silently wrong.
+"""Convert and the store cache lose nothing and answer nothing silently wrong.
 
 Real files, real CLI subprocesses, a real HTTP server on 127.0.0.1 (tests/http_server.py).
 """

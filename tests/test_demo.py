@@ -1,4 +1,4 @@
-"""`make demo`'s speculative part and the `generate --draft` it runs (issue 29): no transformers
+"""`make demo`'s speculative part and the `generate --draft` it runs: no transformers
 deprecation warning, and text that does not repeat one line."""
 
 from __future__ import annotations

@@ -536,7 +536,7 @@ def test_a_killed_agent_replays_every_request_in_flight(tiny, agents, deployed, 
 
 def test_an_agent_killed_as_it_loads_its_stage_is_named_and_planned_around(tiny, agents, deployed, tmp_path,
                                                                           monkeypatch, caplog):
-    """Issue 11 (2): an agent the kernel kills while it loads (SIGKILL, as the OOM killer does) is
+    """An agent the kernel kills while it loads (SIGKILL, as the OOM killer does) is
     named with the reason the coordinator believes, and the new plan leaves it out."""
     _, reference, tokenizer = tiny
     pipeline, _ = deployed

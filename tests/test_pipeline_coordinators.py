@@ -1,4 +1,4 @@
-"""Issue 29: coordinators and agents as a user runs them, all real processes on 127.0.0.1 started
+"""Coordinators and agents as a user runs them, all real processes on 127.0.0.1 started
 through the `shardstream` CLI: an agent serves one coordinator and refuses a second (unless it
 takes over); a coordinator whose stages are gone (taken over, agent started again) re-deploys or
 answers 503; /health says "deploying" until the stages are loaded; an agent joins a running
@@ -107,7 +107,7 @@ def _text(url: str) -> str:
 
 
 def test_a_second_coordinator_is_refused_unless_it_takes_over(tiny, agents, coordinators, tmp_path):
-    """Issue 29 (4): the second coordinator says which one the agents serve and how to take over,
+    """The second coordinator says which one the agents serve and how to take over,
     and leaves the first one serving; with --take-over the first answers 503 (never 400), and once
     the second is gone (SIGKILL) the first re-deploys and answers again."""
     store, expected = tiny
@@ -140,7 +140,7 @@ def test_a_second_coordinator_is_refused_unless_it_takes_over(tiny, agents, coor
 
 
 def test_an_agent_started_again_gets_its_stage_back(tiny, agents, coordinators, tmp_path):
-    """Issue 29 (4): an agent SIGKILLed between requests and started again at the same address holds
+    """An agent SIGKILLed between requests and started again at the same address holds
     no stage; the coordinator's next request re-deploys instead of failing. Started again on another
     data port, its steps go nowhere: the coordinator's check of the route finds it stage-less."""
     store, expected = tiny
@@ -183,7 +183,7 @@ def _answers(url: str) -> bool:
 
 
 def test_health_says_deploying_until_the_stages_are_loaded(tiny, agents, coordinators, tmp_path):
-    """Issue 29 (5): agent b is stopped (SIGSTOP) as the coordinator starts deploying, so it cannot
+    """Agent b is stopped (SIGSTOP) as the coordinator starts deploying, so it cannot
     finish; meanwhile /health is a 503 "deploying", and the API a 503 too."""
     store, expected = tiny
     running, url = coordinators(store, [a.url for a in agents], tmp_path / "work", wait=False)
@@ -202,7 +202,7 @@ def test_health_says_deploying_until_the_stages_are_loaded(tiny, agents, coordin
 
 
 def test_an_agent_joins_a_running_coordinator(tiny, agents, coordinators, tmp_path):
-    """Issue 29 (5): `agent --join URL` asks a running coordinator to take it in: the coordinator
+    """`agent --join URL` asks a running coordinator to take it in: the coordinator
     re-plans with it and prints the new plan, the agent prints it too, and requests still answer."""
     store, expected = tiny
     running, url = coordinators(store, [agents[0].url], tmp_path / "work")
@@ -226,7 +226,7 @@ def test_an_agent_joins_a_running_coordinator(tiny, agents, coordinators, tmp_pa
 
 
 def test_a_serve_port_in_use_is_one_line(tiny, agents, tmp_path):
-    """Issue 29 (5): no traceback, exit code 1, the sentence says what to do."""
+    """No traceback, exit code 1, the sentence says what to do."""
     store, _ = tiny
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

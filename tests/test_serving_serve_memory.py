@@ -1,6 +1,6 @@
 """`shardstream serve` under a real memory cap (memcap: a cgroup that counts the page cache) with many
 concurrent clients: the batch takes only what fits, the others wait, every answer equals the model's
-greedy answer alone, and the server is alive after (issue 10: it was OOM-killed at 16 concurrent); one
+greedy answer alone, and the server is alive after; one
 request that asks for a whole context of tokens ends where the memory does, and the server lives.
 
 The model is scaled down from the benchmark's (4 fp32 blocks of 51 MB, larger than what the cap leaves,

@@ -237,7 +237,7 @@ def test_chat_template_parts_n_and_role_delta(server):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": None}]}]},
      400, "messages[0].content", "type 'image_url'"),
-    # issue 29: ids outside the vocabulary (the char tokenizer has 98 tokens) named one by one, as one sentence
+    # ids outside the vocabulary (the char tokenizer has 98 tokens) named one by one, as one sentence
     ("/v1/completions", {"prompt": [5, 500, 6]}, 400, "prompt", "prompt has token id 500 at position 1, outside"),
     ("/v1/completions", {"prompt": [[5], [6, -1]]}, 400, "prompt[1]", "prompt[1] has token id -1 at position 1"),
     ("/v1/completions", {"prompt": [5, 98]}, 400, "prompt", "(ids 0 to 97)"),
@@ -357,7 +357,7 @@ def _peak_rss(process: subprocess.Popen) -> int:
 
 
 def test_an_oversized_body_is_refused_with_413_before_it_is_read(server):
-    """Issue 29: a 50 MB JSON prompt took 296 s to refuse and left the server 1.9 GB. Past the limit
+    """A body is never read whole to be refused: past the limit
     (--max-request-size 4MB here) a body is a 413 at once, declared (the client) or chunked (no
     Content-Length), and the server holds none of it; the connection still serves the next request."""
     served, http, client, _, _ = server

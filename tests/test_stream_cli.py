@@ -116,7 +116,7 @@ def test_generate_command_refuses_conflicting_options(tiny, options, words):
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_and_exit_1(tiny):
-    """Issue 29: a Latin-1 byte in --prompt (as a shell in another locale passes it) was a 40-line traceback."""
+    """A Latin-1 byte in --prompt (as a shell in another locale passes it) is one line naming it, not a traceback."""
     shardstream = str(Path(sys.executable).with_name("shardstream"))
     done = subprocess.run([shardstream, "generate", str(tiny[0]), "--prompt", b"caf\xe9"], capture_output=True,
                           text=True, timeout=120)
