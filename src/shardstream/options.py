@@ -3,7 +3,8 @@
 `convert`, `generate` and `serve` all turn a checkpoint into a store (the latter two when given a
 checkpoint rather than a store), so they take the same conversion options under the same names;
 README.md "Options shared by every command" lists them. `--token` is the pipeline's shared secret
-(`agent`, `coordinator`); the Hub token is `--hf-token` in every command that downloads.
+(`agent`, `coordinator`); the Hub token is `--hf-token` in every command that downloads. `generate`
+and `coordinator --generate` sample a prompt with the same sampling options.
 """
 
 from __future__ import annotations
@@ -106,3 +107,13 @@ def _checked(ok: Callable[[object], bool], accepted: str) -> Callable:
         return value
 
     return check
+
+
+# The sampling of a prompt given on the command line (`generate --prompt`, `coordinator --generate`);
+# an API request gives its own.
+MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate (per prompt).", callback=whole_number(1))]
+Temperature = Annotated[float, typer.Option(help="0 = greedy; above 0 samples.", callback=real_number(0))]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass.", callback=real_number(0, 1, above=True))]
+TopK = Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.", callback=whole_number(0))]
+Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling.", callback=whole_number(-2**63, 2**64 - 1))]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")]

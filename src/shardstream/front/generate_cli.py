@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from ..errors import InvalidOption
-from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, real_number, refuse_tp_cache,
-                       whole_number)
+from ..options import (Compression, HfToken, MaxNewTokens, Revision, Seed, Sequential, Stop, StorePath, Temperature,
+                       TopK, TopP, TpCache, refuse_tp_cache, whole_number)
 from .cli import (ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, command_options, open_model,
                   refuse_experts_with_tp)
 
@@ -21,19 +21,16 @@ if TYPE_CHECKING:
 def generate_command(
     source: Source,
     prompt: Annotated[Optional[str], typer.Option(help="Text to continue.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (per prompt).",
-                                                callback=whole_number(1))] = 50,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; above 0 samples.", callback=real_number(0))] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.", callback=real_number(0, 1, above=True))] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.",
-                                       callback=whole_number(0))] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling (prompt i of a file uses seed + i).",
-                                                callback=whole_number(-2**63, 2**64 - 1))] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")] = None,
+    max_new_tokens: MaxNewTokens = 50,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    stop: Stop = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id, opened with this model's --compute-dtype, --hf-token, --compression and --sequential.")] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).",
                                                         callback=whole_number(1))] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="Answer every prompt of a .txt (one a line) or .jsonl file, in batches (prompt i sampled with --seed + i).")] = None,
     output: Annotated[Optional[Path], typer.Option(help="JSON-lines answers of --prompts-file; a rerun resumes it.")] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.",
                                             callback=whole_number(1))] = 64,
@@ -111,19 +108,18 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
     from contextlib import ExitStack
 
     from .draft import PassReport, draft_options, open_draft
-    from ..serving.stops import stop_streamer
-    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.text import generate_one, load_tokenizer
 
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, store_path, engine, device, progress, converting))
         tokenizer = load_tokenizer(model)
-        inputs = encode(tokenizer, prompt)
-        options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
-        if stops:
-            options.update(stop_strings=stops, tokenizer=tokenizer)
-        if draft is not None:
-            options.update(draft_options(tokenizer, model, stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, converting))))
-        set_seed(seed)
-        out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops))
+
+        def assisted() -> dict:
+            draft_model = stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, converting))
+            return draft_options(tokenizer, model, draft_model)
+
+        new = generate_one(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, stops=stops,
+                           more_options=assisted if draft is not None else None)
         if engine.profiling_mode:
-            print(PassReport(out.shape[1] - inputs["input_ids"].shape[1], model.forward_passes).line(), file=sys.stderr)
+            print(PassReport(new.shape[1], model.forward_passes).line(), file=sys.stderr)

@@ -47,16 +47,9 @@ def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperatur
     import torch.distributed as dist
 
     from .cli import command_options
-    from ..serving.stops import stop_streamer
-    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.text import generate_one, load_tokenizer
 
     engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
     with open_rank(source, store_path, device, converting, progress, engine, tp_cache) as model:
-        tokenizer = load_tokenizer(model)
-        inputs = encode(tokenizer, prompt)
-        options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
-        if stops:
-            options.update(stop_strings=stops, tokenizer=tokenizer)
-        set_seed(seed)
-        streamer = stop_streamer(tokenizer, stops) if dist.get_rank() == 0 else None
-        model.generate(**inputs, **options, streamer=streamer)
+        generate_one(model, load_tokenizer(model), prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, seed=seed, stops=stops, prints=dist.get_rank() == 0)

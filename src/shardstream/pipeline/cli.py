@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import typer
 
 from ..errors import InvalidOption
-from ..options import model_id
+from ..options import MaxNewTokens, Seed, Stop, Temperature, TopK, TopP, model_id
 from ..switches import API_KEY, TOKEN
 
 Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
@@ -184,13 +184,13 @@ def coordinator_command(
     serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None,
     host: Annotated[str, typer.Option(help="Address the coordinator listens on (0.0.0.0: every interface; agents fetch "
                                            "stages from it, so remote agents need it exposed).")] = "127.0.0.1",
-    generate: Annotated[Optional[str], typer.Option(help="Generate from this prompt, print it, exit.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 50,
-    temperature: Annotated[float, typer.Option(help="With --generate: 0 = greedy; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="With --generate: nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="With --generate: sample from the k most likely tokens; 0 = no limit.")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="With --generate: seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="With --generate: end at this text, left out of the output; repeatable.")] = None,
+    generate: Annotated[Optional[str], typer.Option(help="Generate from this prompt (as --max-new-tokens, --temperature, --top-p, --top-k, --seed and --stop say), print it, exit.")] = None,
+    max_new_tokens: MaxNewTokens = 50,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    stop: Stop = None,
     api_key: Annotated[Optional[str], typer.Option(
         envvar=API_KEY.name, help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
                                            "but /health and the agents' /stages, which want --token); without it the "
@@ -208,8 +208,7 @@ def coordinator_command(
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
     from ..serving.endpoint import read_template
-    from ..serving.stops import stop_streamer
-    from ..serving.text import encode, load_tokenizer, sampling_options, set_seed
+    from ..serving.text import generate_one, load_tokenizer
     from .client import AgentClient
     from .coordinator import Coordinator, CoordinatorOptions
     from .discovery import advertise_host
@@ -255,11 +254,8 @@ def coordinator_command(
             coordinator.profile()
             coordinator.deploy()
             if generate:
-                inputs = encode(tokenizer, generate)
-                sampling = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
-                set_seed(seed)
-                pipeline.generate(inputs["input_ids"], streamer=stop_streamer(tokenizer, list(stop or [])),
-                                  stop_strings=list(stop or []), tokenizer=tokenizer, **sampling)
+                generate_one(pipeline, tokenizer, generate, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k, seed=seed, stops=list(stop or []))
             if serving:
                 secret = "--api-key" if api_key else "--token"
                 typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer {secret} required; "

@@ -1,10 +1,13 @@
-"""Text in, text out around a streaming model: tokenizer, chat prompt, sampling options.
+"""Text in, text out around a streaming model: tokenizer, chat prompt, sampling options, one prompt
+generated and printed.
 
-Shared by the `generate` command and the OpenAI-compatible server so both sample the same way.
+Shared by the `generate` command, the OpenAI-compatible server and the pipeline's coordinator so all
+sample the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -12,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, StoreIncomplete
+from .stops import stop_streamer
 
 
 # the files one of which holds a tokenizer's vocabulary (without any, transformers builds an empty one)
@@ -107,3 +111,22 @@ def encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> dict[str, torch.T
     if not encoded["input_ids"].shape[-1]:
         raise InvalidOption("the prompt gives no tokens with this model's tokenizer; give text it can encode.")
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+def generate_one(model, tokenizer: PreTrainedTokenizerBase, prompt: str, *, max_new_tokens: int, temperature: float,
+                 top_p: float, top_k: int, seed: int | None, stops: list[str], prints: bool = True,
+                 more_options: Callable[[], dict] | None = None) -> torch.Tensor:
+    """Continue `prompt` with `model` (streaming, tensor-parallel or pipeline: anything with transformers'
+    `generate`), printing the text before the first stop string as it comes where `prints` (of several
+    processes running the same generation, one prints). `more_options` gives further generate() keyword
+    arguments, such as a draft's; it is called once the prompt is known to encode, so a bad prompt is
+    refused before a draft model is opened. Returns the new tokens, [1, n]."""
+    inputs = encode(tokenizer, prompt)
+    options = sampling_options(max_new_tokens, temperature, top_p, tokenizer, top_k)
+    if stops:
+        options.update(stop_strings=stops, tokenizer=tokenizer)
+    if more_options is not None:
+        options.update(more_options())
+    set_seed(seed)
+    out = model.generate(**inputs, **options, streamer=stop_streamer(tokenizer, stops) if prints else None)
+    return out[:, inputs["input_ids"].shape[1]:]
