@@ -89,7 +89,7 @@ def run_one(store_path: Path, cache: str, args) -> dict:
             out = model(token, past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - started
-    head = 0 if model._ends.head_resident or model._ends.head is None else model._ends.head.nbytes
+    head = model.report().streamed_head_bytes
     steps = args.new_tokens
     routings = stats.hits - hits + stats.misses - misses
     return {"load_s": load, "prefill": ids.shape[1] / prefill, "decode": steps / decode,

@@ -165,7 +165,7 @@ def weights_path(model, streaming: bool) -> str:
         return f"{dtype} math"
     if model.packed_weights:
         return f"{dtype} math from 4-bit codes (quant_linear)"
-    if model._loader.mapper.held_as_stored:
+    if model.report().half_precision_weights:
         return f"{dtype} math on bf16 weights (half_linear)"
     return f"{dtype} math"
 
@@ -200,21 +200,22 @@ def run_one(mode: str, args) -> dict:
         result["load_peak_mib"], result["decode_peak_mib"] = loading >> 20, decoding >> 20
     status = Path("/proc/self/status").read_text()
     result["anon_mib"] = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) // 1024
-    if streaming and model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
-        fused = sum(p.nbytes for name, p in model.model.named_parameters()   # the experts' stacks, on meta
-                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
-        result["expert_loads"] = model.experts.loads
-        stats = model.experts.cache.stats
-        result["expert_hit_rate"] = round(stats.hit_rate, 3)
-        result["expert_mb_per_token"] = round((model.experts.bytes_read - bytes_after_prefill) / args.new_tokens / 1e6)
-        result["per_token_bytes"] = (sum(model._loader.held_bytes(s.names) for i, s in enumerate(model._slots)
-                                         if i not in model.resident_blocks) - fused
-                                     + (model.experts.bytes_read - bytes_after_prefill) // args.new_tokens)
     if streaming:
-        result["resident"] = len(model.resident_blocks)
-        result["reading"] = model._loader.reading
-        result["streamed_bytes"] = sum(model._loader.held_bytes(s.names) for i, s in enumerate(model._slots)   # as held
-                                       if i not in model.resident_blocks)
+        report = model.report()
+        # the streamed blocks as held in memory: packed weights at their packed size
+        streamed_bytes = sum(b for i, b in enumerate(report.block_bytes) if i not in report.resident_blocks)
+        if model.experts:   # bytes read a decode step: the blocks without experts, and the experts read
+            fused = sum(p.nbytes for name, p in model.model.named_parameters()   # the experts' stacks, on meta
+                        if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
+            result["expert_loads"] = model.experts.loads
+            stats = model.experts.cache.stats
+            result["expert_hit_rate"] = round(stats.hit_rate, 3)
+            experts_read = model.experts.bytes_read - bytes_after_prefill
+            result["expert_mb_per_token"] = round(experts_read / args.new_tokens / 1e6)
+            result["per_token_bytes"] = streamed_bytes - fused + experts_read // args.new_tokens
+        result["resident"] = len(report.resident_blocks)
+        result["reading"] = report.reading
+        result["streamed_bytes"] = streamed_bytes
         result["hidden"] = 1.0 - min(wait, read) / read if read else 1.0
         result["read_ms"] = 1e3 * read / args.new_tokens
         result["wait_ms"] = 1e3 * wait / args.new_tokens

@@ -317,9 +317,10 @@ def run_one(mode: str, args) -> dict:
     result = {"prefill": args.prompt / prefill, "decode": new_tokens / decode, "tokens": tokens[:8],
               "gpu_peak_mib": torch.cuda.max_memory_allocated() // (1 << 20)}
     if mode.startswith("stream"):
-        result["host_kept_mb"] = model._loader._kept_bytes / MB
-        result["copy_ahead"] = type(model._streaming._source).__name__ == "CopyAhead"
-        result["packed"] = len(model._loader.packed_keys)   # weights multiplied from their codes (4-bit, Triton)
+        report = model.report()
+        result["host_kept_mb"] = report.host_kept_bytes / MB
+        result["copy_ahead"] = report.read_ahead == "copy ahead"
+        result["packed"] = report.packed_weights   # weights multiplied from their codes (4-bit, Triton)
     return result
 
 

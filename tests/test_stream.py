@@ -139,7 +139,7 @@ def test_resident_blocks_stay_and_are_not_streamed(llama):
     reference, store_path = llama
     ids = _prompts()
     with AutoModel.from_pretrained(store_path, max_resident_memory=0) as probe:
-        block = probe._slots[0].nbytes
+        block = probe.report().block_bytes[0]
     with AutoModel.from_pretrained(store_path, max_resident_memory=4 * block - 1) as model:  # 1 resident + 2 streaming
         assert model.resident_blocks == [0]
         with torch.no_grad():

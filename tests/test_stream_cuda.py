@@ -27,7 +27,6 @@ from shardstream.stream import StreamingModel, quant_linear
 from shardstream.serving.admission import room
 from shardstream.serving.batching import BatchEngine
 from shardstream.serving.protocol import NO_TOKEN, SamplingParams
-from shardstream.stream.prefetch import CopyAhead
 from shardstream.stream.residency import AUTO_SHARE, resolve_budget
 from tiny_models import char_tokenizer, save_checkpoint
 
@@ -85,22 +84,28 @@ def _piece_keys(model) -> set[tuple[int, int]]:
     return {(block, i) for block, pieces in model.pieces.items() for i in range(len(pieces))}
 
 
+def _kept_tensors(model) -> list:
+    """The host tensors of the pieces kept in host RAM: the report counts them, only they say whether they are
+    page-locked and packed."""
+    return [t for piece in model._loader._kept.values() for t in piece.values()]
+
+
 @pytest.mark.parametrize("options", [dict(prefetching=False), dict(prefetch_depth=3), dict(max_resident_memory=None),
                                      dict(piece_bytes=4096), dict(max_host_memory=0), dict(max_host_memory=None)])
 def test_prefetch_residency_pieces_and_host_tier_give_the_same_logits_on_the_gpu(tmp_path, options):
     reference, store = _make(tmp_path, "llama")
     with AutoModel.from_pretrained(store, device="cuda", progress=False, **{"max_resident_memory": 0, **options}) as model:
         _check_against(reference, model, _prompts())
-        loader = model._loader
+        report = model.report()
         if model.resident_blocks:
-            assert model.resident_blocks == [0, 1, 2, 3] and loader._pool.allocated == 0
+            assert model.resident_blocks == [0, 1, 2, 3] and report.read_buffers == 0
         elif options.get("max_host_memory", "auto") == 0:  # read every token into page-locked buffers, copied from there
-            assert not loader._kept and loader._pool.allocated
-            assert all(torch.frombuffer(b, dtype=torch.uint8).is_pinned() for b in loader._pool._free)
+            assert not report.host_kept and report.read_buffers
+            assert all(torch.frombuffer(b, dtype=torch.uint8).is_pinned() for b in model._loader.pool._free)
         else:   # every streamed piece was read once and stays page-locked in host RAM, copied ahead by the computing thread
-            assert set(loader._kept) == _piece_keys(model)
-            assert all(t.is_pinned() for piece in loader._kept.values() for t in piece.values())
-            assert isinstance(model._streaming._source, CopyAhead) == options.get("prefetching", True)
+            assert report.host_kept == _piece_keys(model)
+            assert all(t.is_pinned() for t in _kept_tensors(model))
+            assert (report.read_ahead == "copy ahead") == options.get("prefetching", True)
 
 
 def test_a_host_budget_keeps_the_first_pieces_and_reads_the_others(tmp_path):
@@ -108,13 +113,13 @@ def test_a_host_budget_keeps_the_first_pieces_and_reads_the_others(tmp_path):
     with AutoModel.from_pretrained(store, device="cuda", max_resident_memory=0, max_host_memory=None,
                                    progress=False) as model:
         model(_prompts())
-        everything = model._loader._kept_bytes
+        everything = model.report().host_kept_bytes
     with AutoModel.from_pretrained(store, device="cuda", max_resident_memory=0, max_host_memory=everything // 2,
                                    progress=False) as model:
         _check_against(reference, model, _prompts())
-        kept = model._loader._kept
-        assert 0 < len(kept) < len(_piece_keys(model)) and min(_piece_keys(model)) in kept
-        assert model._loader._kept_bytes <= everything // 2
+        report = model.report()
+        assert 0 < len(report.host_kept) < len(_piece_keys(model)) and min(_piece_keys(model)) in report.host_kept
+        assert report.host_kept_bytes <= everything // 2
 
 
 @pytest.mark.parametrize("host", [0, "auto"])
@@ -127,16 +132,16 @@ def test_a_4bit_store_on_the_gpu_matches_its_dequantized_weights(tmp_path, host)
         want = on_cpu(ids.cpu()).logits
         for _ in range(2):   # the second pass copies what the first one kept, when it kept
             assert (on_gpu(ids).logits.cpu() - want).abs().max().item() <= TOLERANCE
-        loader = on_gpu._loader
-        assert bool(loader._kept) == (host == "auto")
+        report = on_gpu.report()
+        assert bool(report.host_kept) == (host == "auto")
         # the codes cross the bus and stay in host RAM packed: no dequantization buffer on the host
-        assert not any(loader._decoded.values())
+        assert not any(on_gpu._loader._decoded.values())
         if host == "auto":
-            kept = [t for piece in loader._kept.values() for t in piece.values()]
             quantized = sum(1 for r in store.manifest.tensors.values() if r.quant and r.part.startswith("mid/"))
-            assert sum(isinstance(t, QuantizedTensor) for t in kept) == quantized > 0
-            streamed = sum(on_gpu._slots[k].nbytes for k in on_gpu.pieces)
-            assert loader._kept_bytes < streamed / 4
+            assert sum(isinstance(t, QuantizedTensor) for t in _kept_tensors(on_gpu)) == quantized > 0
+            # the streamed blocks' parameters (on meta between passes) in the model's dtype
+            streamed = sum(p.nbytes for k in on_gpu.pieces for p in on_gpu.block_modules[k].parameters())
+            assert report.host_kept_bytes < streamed / 4
 
 
 @pytest.mark.parametrize("host", [0, "auto"])

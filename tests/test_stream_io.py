@@ -32,13 +32,13 @@ def build(folder, compression=None):
 
 
 def run(store, mode, monkeypatch):
-    """Logits of a prompt and 3 greedy tokens with pure streaming, and the loader (to see how it read)."""
+    """Logits of a prompt and 3 greedy tokens with pure streaming, and the model's report (how it read)."""
     monkeypatch.setenv(DIRECT_IO.name, mode)
     model = AutoModel.from_pretrained(store, max_resident_memory=0)
     try:
         logits = model(IDS).logits
         out = model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0)
-        return logits, out, model._loader
+        return logits, out, model.report()
     finally:
         model.close()
 
@@ -48,10 +48,10 @@ def run(store, mode, monkeypatch):
 def test_reads_past_the_cache_give_the_same_logits_as_mapping(tmp_path, monkeypatch, compression, mode, reading):
     store = build(tmp_path, compression)
     mapped_logits, mapped_out, mapped = run(store, "off", monkeypatch)
-    got_logits, got_out, loader = run(store, mode, monkeypatch)
-    assert mapped.reading == "mapped" and loader.reading == reading  # ext4 (or any disk filesystem) takes O_DIRECT
+    got_logits, got_out, report = run(store, mode, monkeypatch)
+    assert mapped.reading == "mapped" and report.reading == reading  # ext4 (or any disk filesystem) takes O_DIRECT
     # every block read went into one of two reused buffers (and was dequantized into one of two more)
-    assert 1 <= loader._pool.allocated <= (4 if compression else 2)
+    assert 1 <= report.read_buffers <= (4 if compression else 2)
     assert torch.equal(mapped_logits, got_logits)
     assert torch.equal(mapped_out, got_out)
 
@@ -90,10 +90,10 @@ def test_blocks_read_past_the_cache_leave_no_pages_there(tmp_path, monkeypatch, 
 
 def test_direct_reads_reuse_a_few_buffers(tmp_path, monkeypatch):
     store = build(tmp_path)
-    _, _, loader = run(store, "on", monkeypatch)
+    _, _, report = run(store, "on", monkeypatch)
     blocks = open_store(store).num_layers
     assert blocks > 2
-    assert loader._pool.allocated == 2  # one block computing + one read ahead, for every pass over every block
+    assert report.read_buffers == 2  # one block computing + one read ahead, for every pass over every block
 
 
 def test_corrupt_block_fails_its_checksum_on_the_first_direct_read(tmp_path, monkeypatch):
@@ -129,8 +129,8 @@ def test_falls_back_to_mapping_where_o_direct_is_refused(tmp_path, ramfs, monkey
     reference = build(tmp_path)
     store = shutil.copytree(reference, ramfs / "store")
     expected_logits, expected_out, _ = run(reference, "off", monkeypatch)
-    logits, out, loader = run(store, "on", monkeypatch)
-    assert not loader.direct  # switched to mapping at the first refusal, and stayed there
+    logits, out, report = run(store, "on", monkeypatch)
+    assert report.reading == "mapped"  # switched to mapping at the first refusal, and stayed there
     assert torch.equal(logits, expected_logits)
     assert torch.equal(out, expected_out)
 

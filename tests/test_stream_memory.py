@@ -41,9 +41,9 @@ PROBE = textwrap.dedent(r"""
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
     with open("/proc/self/status") as f:
         peak = int(re.search(r"VmHWM:\s+(\d+) kB", f.read())[1]) * 1024
-    block = max(s.nbytes for s in model._slots)
+    blocks = model.report().block_bytes
     piece = max(p.nbytes for ps in model.pieces.values() for p in ps)
-    print(json.dumps({"baseline": baseline, "peak": peak, "block": block, "piece": piece, "blocks": len(model._slots),
+    print(json.dumps({"baseline": baseline, "peak": peak, "block": max(blocks), "piece": piece, "blocks": len(blocks),
                       "passes": model.profile.total.passes, "direct": model.reading == "direct",
                       "working_set": model.stream_working_set}))
 """)

@@ -21,6 +21,7 @@ from shardstream.errors import StoreCorrupt
 from shardstream.shard import place_experts
 from shardstream.store import open_store
 from shardstream.stream import StreamingModel, pieces, prefetch, quant_linear
+from shardstream.stream.loader import BlockLoader
 from shardstream.switches import DIRECT_IO, QUANT_KERNEL
 from tiny_models import CONFIGS, save_checkpoint
 
@@ -42,22 +43,21 @@ def _store(tmp_path, family="llama", compression=None):
     return reference, open_store(tmp_path / "store")
 
 
-def _asked(model: StreamingModel) -> list:
-    """Records the keys the hooks ask the reader for."""
-    asked = []
-    source = model._streaming._source
-    real = source.get
+def _recorded(monkeypatch, cls: type, method: str) -> list:
+    """The keys `cls.method(key)` is called with from now on (a reader's `get`, a loader's `load_piece`)."""
+    keys = []
+    real = getattr(cls, method)
 
-    def get(key):
-        asked.append(key)
-        return real(key)
+    def recording(self, key):
+        keys.append(key)
+        return real(self, key)
 
-    source.get = get
-    return asked
+    monkeypatch.setattr(cls, method, recording)
+    return keys
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_forward_order_is_the_read_order(tmp_path, family, caplog):
+def test_forward_order_is_the_read_order(tmp_path, monkeypatch, family, caplog):
     """The first pass teaches the reader the order; every later pass asks for exactly that order, each
     piece once, so nothing read ahead is dropped (Phi-3 runs qkv_proj before the o_proj it defines first;
     Qwen2-MoE and Qwen3-MoE run their router before the experts they define first)."""
@@ -67,12 +67,14 @@ def test_forward_order_is_the_read_order(tmp_path, family, caplog):
         with caplog.at_level(logging.WARNING, logger="shardstream.stream.prefetch"), torch.no_grad():
             got = model(IDS).logits
             every = [(k, i) for k, ps in model.pieces.items() for i in range(len(ps))]
-            assert sorted(model._streaming.order) == every   # learned: each piece once
+            report = model.report()
+            assert sorted(report.read_order) == every   # learned: each piece once
             # read ahead from the start, where the named order is the forward order
-            assert model._streaming._guessing == (family not in ("phi3", "qwen2_moe", "qwen3_moe"))
-            asked = _asked(model)
+            guessed = family not in ("phi3", "qwen2_moe", "qwen3_moe")
+            assert report.read_ahead == ("guessed order" if guessed else "learned order")
+            asked = _recorded(monkeypatch, prefetch.Prefetcher, "get")
             model(IDS)
-            assert asked == model._streaming.order
+            assert tuple(asked) == report.read_order
             tokens = model.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert not caplog.records   # nothing read ahead was dropped
         with torch.no_grad():
@@ -96,7 +98,7 @@ def test_direct_and_mapped_pieces_match_whole_blocks(tmp_path, monkeypatch, comp
             # however many pieces were read: 2 pieces in flight (+ their dequantization buffers) and,
             # read directly, their read buffers and 2 held pieces 0 (norms: never quantized)
             decoded = 2 if compression else 0
-            assert model._loader._pool.allocated <= decoded + (4 if mode == "on" else 0)
+            assert model.report().read_buffers <= decoded + (4 if mode == "on" else 0)
     assert torch.equal(results[True, "off"], results[False, "off"])
     assert torch.equal(results[True, "on"], results[False, "off"])
 
@@ -118,7 +120,7 @@ def test_working_set_counts_pieces_not_blocks(tmp_path, monkeypatch):
     _, store = _store(tmp_path)
     monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", 1 << 40)
     with StreamingModel(store, max_resident_memory=0) as whole:
-        block = max(s.nbytes for s in whole._slots)
+        block = max(whole.report().block_bytes)
         assert whole.stream_working_set == 2 * block
     monkeypatch.setattr(pieces, "MIN_PIECE_BYTES", SMALL)
     with StreamingModel(store, max_resident_memory=0) as split:
@@ -145,28 +147,21 @@ def test_a_piece_asked_for_out_of_order_is_read_again_with_a_warning(tmp_path, c
             assert (got - reference(IDS).logits).abs().max().item() <= TOLERANCE
 
 
-def test_pieces_loaded_ahead_by_the_computing_thread_stay_exact(tmp_path):
+def test_pieces_loaded_ahead_by_the_computing_thread_stay_exact(tmp_path, monkeypatch):
     """Where loading a piece only queues its copy to the GPU (every piece kept page-locked), the computing
     thread loads the pieces ahead itself (prefetch.CopyAhead): the CPU runs the same logic when told so.
     Each piece is loaded once a pass, `depth` ahead, and a module run out of order restarts the cycle."""
     reference, store = _store(tmp_path)
+    monkeypatch.setattr(BlockLoader, "copies_only", lambda self, keys: True)
+    loaded = _recorded(monkeypatch, BlockLoader, "load_piece")
     with StreamingModel(store, max_resident_memory=0, prefetch_depth=2) as model:
-        model._loader.copies_only = lambda keys: True
-        loaded = []
-        real_load = model._streaming._load
-
-        def load(key):
-            loaded.append(key)
-            return real_load(key)
-
-        model._streaming._load = load
         with torch.no_grad():
             want = reference(IDS).logits
             model(IDS)   # the first pass learns the order, read by the reader threads
-            assert isinstance(model._streaming._source, prefetch.CopyAhead)
+            assert model.report().read_ahead == "copy ahead"
             loaded.clear()
             assert (model(IDS).logits - want).abs().max().item() <= TOLERANCE
-            order = model._streaming.order
+            order = list(model.report().read_order)
             assert loaded == order + order[:2]   # each piece once, then the next pass's first two ahead
             model.model.model.layers[0].self_attn.k_proj(torch.ones(1, model.config.hidden_size))
             assert (model(IDS).logits - want).abs().max().item() <= TOLERANCE
@@ -259,13 +254,13 @@ def test_a_compute_bound_pass_dequantizes_on_the_computing_thread(tmp_path, monk
             model(ids)
             assert threads and set(threads) == {where}
         deferred = model(many).logits
-        allocated = model._loader._pool.allocated
+        allocated = model.report().read_buffers
         monkeypatch.setattr(streaming, "COMPUTE_BOUND_ROWS", 10 ** 6)
         model(many)
         threads.clear()
         in_readers = model(many).logits
         assert threads and set(threads) == {"shardstream-prefetch"}
-        assert model._loader._pool.allocated == allocated
+        assert model.report().read_buffers == allocated
     assert torch.equal(deferred, in_readers)
 
 
@@ -283,7 +278,7 @@ def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_bac
     with StreamingModel(store, max_resident_memory=0) as model, torch.no_grad():
         model(many)
         want = model(many).logits
-        allocated = model._loader._pool.allocated
+        allocated = model.report().read_buffers
         real, failures = quant.dequantize, []
 
         def dequantize(data, absmax, meta, out=None):
@@ -295,10 +290,10 @@ def test_a_dequantization_that_fails_on_the_computing_thread_gives_its_piece_bac
         monkeypatch.setattr(quant, "dequantize", dequantize)
         with pytest.raises(OSError, match="injected"):
             model(many)
-        streaming = model._streaming   # handed out now: only the pieces of the block left in place
-        in_place = {(streaming._block[0], i) for i in streaming._held} if streaming._block else set()
-        assert failures and set(streaming._source._out.values()) == in_place
+        report = model.report()   # handed out now: only the pieces of the block left in place
+        assert failures and report.in_place and report.handed_out == report.in_place
         model(many)
         assert torch.equal(model(many).logits, want)
-        assert model._streaming._source._out == {}
-        assert model._loader._pool.allocated <= allocated
+        report = model.report()
+        assert report.handed_out == report.in_place == frozenset()
+        assert report.read_buffers <= allocated

@@ -283,7 +283,7 @@ def test_auto_read_ahead_cuts_finer_pieces_in_the_same_memory(built, tmp_path, c
     runs = {}
     for name, options in (("auto", {}), ("before", dict(prefetch_depth=1, piece_bytes=64 << 20))):
         with StreamingModel(open_store(store), max_resident_memory=0, **options) as model:
-            runs[name] = (model(ids).logits, model._streaming._depth, model.stream_working_set,
+            runs[name] = (model(ids).logits, model.report().prefetch_depth, model.stream_working_set,
                           max(len(ps) for ps in model.pieces.values()))
     assert runs["auto"][1:] == (3, runs["before"][2], 5) and runs["before"][1:] == (1, runs["before"][2], 4)
     assert torch.equal(runs["auto"][0], runs["before"][0])

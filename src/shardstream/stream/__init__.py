@@ -1,11 +1,11 @@
 """Layer-streaming inference: run a model larger than memory one block at a time.
 
-The streaming engine: `StreamingModel` and `EngineOptions` load on first use, so importing the package
-costs nothing until they are used. The user's entrance (`AutoModel`, the `generate` and `serve` commands)
-is shardstream.front, above this package.
+The streaming engine: `StreamingModel`, `EngineOptions` and `EngineReport` (what `StreamingModel.report()`
+returns) load on first use, so importing the package costs nothing until they are used. The user's entrance
+(`AutoModel`, the `generate` and `serve` commands) is shardstream.front, above this package.
 """
 
-__all__ = ["EngineOptions", "StreamingModel"]
+__all__ = ["EngineOptions", "EngineReport", "StreamingModel"]
 
 
 def __getattr__(name: str):
@@ -16,6 +16,10 @@ def __getattr__(name: str):
         from .engine_options import EngineOptions
 
         return EngineOptions
+    if name == "EngineReport":
+        from .report import EngineReport
+
+        return EngineReport
     if name == "StreamingModel":
         from .model import StreamingModel
 

@@ -25,6 +25,7 @@ from torch import nn
 from .loader import LoadedBlock
 from .pieces import Piece, whole
 from .prefetch import CopyAhead, DirectLoader, Prefetcher
+from .report import Key, ReadAhead
 from .weights import Slots
 
 
@@ -60,6 +61,7 @@ class StreamedBlocks:
         self._released, self._settle, self._copies_only = released, settle, copies_only
         self._block: list | None = None   # [k, started, read seconds, waited seconds] of the block in place
         self._held: dict[int, tuple[Piece, LoadedBlock]] = {}   # piece number -> what fills it
+        self._out: dict[int, Key] = {}   # id of each item taken from the reader, not yet given back -> its key
         self.hooks = []
         self._pending: dict[int, int] = {}   # piece number -> its modules that have not run yet
         for k in streamed:
@@ -76,10 +78,11 @@ class StreamedBlocks:
         if self.order is None:
             self._learn((k, i))
         item, waited = self._source.get((k, i))
+        self._out[id(item)] = (k, i)
         try:
             fill_block(self._slots[k], item)   # may dequantize here (loader.py: decode_in_reader)
         except BaseException:
-            self._source.release(item)   # its buffers and its reader's slot, as a read that failed gives back
+            self._give_back(item)   # its buffers and its reader's slot, as a read that failed gives back
             raise
         if i == 0:
             self._block = [k, time.perf_counter(), 0.0, 0.0]
@@ -102,7 +105,36 @@ class StreamedBlocks:
         piece, item = self._held.pop(i)
         self._slots[k].empty(piece.names)
         item.params.clear()
+        self._give_back(item)
+
+    def _give_back(self, item: LoadedBlock) -> None:
+        del self._out[id(item)]
         self._source.release(item)
+
+    @property
+    def depth(self) -> int | None:
+        """The pieces read ahead; None: each is read when asked for (prefetching off)."""
+        return self._depth
+
+    @property
+    def read_ahead(self) -> ReadAhead:
+        """How the reader reads ahead now: it changes at the first departure from the guessed order and
+        once the first whole pass has run."""
+        if isinstance(self._source, CopyAhead):
+            return "copy ahead"
+        if isinstance(self._source, DirectLoader):
+            return "on demand"
+        return "guessed order" if self._guessing else "learned order"
+
+    @property
+    def handed_out(self) -> frozenset[Key]:
+        """The pieces taken from the reader and not given back: those `in_place`, unless one leaked."""
+        return frozenset(self._out.values())
+
+    @property
+    def in_place(self) -> frozenset[Key]:
+        """The pieces whose weights are in the model now."""
+        return frozenset((item.index, i) for i, (_, item) in self._held.items())
 
     def release(self) -> None:
         """Empty the block in place, if any: its memory must be free before the reader starts the next."""

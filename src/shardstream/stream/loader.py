@@ -304,6 +304,17 @@ class BlockLoader:
     def pool(self) -> BufferPool:
         return self._pool
 
+    @property
+    def kept(self) -> frozenset[tuple[int, int]]:
+        """The streamed pieces kept page-locked in host RAM (see `_reserve`)."""
+        with self._keeping:
+            return frozenset(self._kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of host RAM the kept pieces take, and those of reads under way that will be kept."""
+        return self._kept_bytes
+
     def piece_buffer_bytes(self) -> int:
         """Bytes of a streamed piece's read buffer (not a held-through one; see `plan`): what a streamed
         head's slices take (ends.py), so that the pool serves both with the same buffers."""

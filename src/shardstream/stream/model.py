@@ -37,6 +37,7 @@ from .meta import WrapsModel, block_renames, build_meta_model, checkpoint_dtype,
 from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
+from .report import EngineReport
 from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
 from .shapes import check_stored_shapes
 from .weights import Slots, WeightMapper
@@ -121,7 +122,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._loader.pack_linear_weights(packable_weights(self.model), parts)
         self.block_modules = blocks = [self.model.get_submodule(p) for p in prefixes]   # the decoder blocks, in order
         pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options.piece_bytes, options.prefetch_depth)
-        sizes = [s.nbytes - self._loader.packing_saves(s.names, resident=True) for s in self._slots]
+        sizes = [self._bytes_in_memory(s, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if options.prefetching else 1
@@ -259,6 +260,11 @@ class StreamingModel(TransformersHabits, WrapsModel):
             self._loader.plan(reads, frozenset(key for key in reads if held_through(pieces[key[0]], key[1])))
         return pieces
 
+    def _bytes_in_memory(self, slots: Slots, resident: bool) -> int:
+        """A block's bytes once filled: packed weights (`resident`: those packed in resident parts too) at their
+        packed size, the others in the model's dtype."""
+        return slots.nbytes - self._loader.packing_saves(slots.names, resident=resident)
+
     def _check_room(self) -> None:
         """Refuse, before the first pass, a model whose largest streamed piece cannot fit in the memory left on
         the CPU (the kernel would kill the process mid-pass): one sentence saying what it needs and what to do.
@@ -344,6 +350,23 @@ class StreamingModel(TransformersHabits, WrapsModel):
         """Bytes of weights read from the store so far: the resident parts once, streamed pieces each time
         they are read (their tensors' own bytes, not the page rounding of O_DIRECT)."""
         return self._loader.bytes_read
+
+    def report(self) -> EngineReport:
+        """What the engine holds and does now, as one value (report.py): the resident blocks and each block's
+        bytes, how the reader reads ahead and in which order, the pieces handed out and in place, the read
+        buffers, what a GPU keeps in host RAM, how blocks are read, the weights multiplied as stored."""
+        loader, streaming = self._loader, self._streaming
+        order = streaming.order
+        return EngineReport(
+            resident_blocks=tuple(self.resident_blocks),
+            block_bytes=tuple(self._bytes_in_memory(s, k in self.resident_blocks) for k, s in enumerate(self._slots)),
+            read_ahead=streaming.read_ahead, prefetch_depth=streaming.depth,
+            read_order=None if order is None else tuple(order), read_buffers=loader.pool.allocated,
+            handed_out=streaming.handed_out, in_place=streaming.in_place,
+            host_kept=loader.kept, host_kept_bytes=loader.kept_bytes, reading=loader.reading,
+            packed_weights=len(loader.packed_keys),
+            half_precision_weights=len(loader.mapper.held_as_stored & self.store.manifest.tensors.keys()),
+            streamed_head_bytes=0 if self._ends.head_resident else self._ends.head.nbytes)
 
     # -- hooks -------------------------------------------------------------------------------
 
