@@ -285,7 +285,7 @@ def test_prompt_longer_than_the_context_is_refused(llama):
             model.generate(_prompts(batch=1, length=60), max_new_tokens=10)
 
 
-# -- AirLLM's from_pretrained (issue 29) ------------------------------------------------------
+# -- AirLLM's from_pretrained -----------------------------------------------------------------
 
 AIRLLM_PARAMETERS = ("device", "dtype", "max_seq_len", "layer_shards_saving_path", "profiling_mode", "compression",
                      "hf_token", "prefetching", "delete_original", "install_hooks", "load_resident")
