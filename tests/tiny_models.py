@@ -43,8 +43,8 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def tiny_config(family: str):
-    settings = {**COMMON, **CONFIGS[family]}
+def tiny_config(family: str, **overrides):
+    settings = {**COMMON, **CONFIGS[family], **overrides}
     model_type = settings.pop("model_type")
     return AutoConfig.for_model(model_type, **settings)
 

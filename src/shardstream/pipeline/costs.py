@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ..store import Store
 from ..store.sharding import placed_in
-from ..stream.ends import STREAMED_BYTES
+from ..stream.ends import STREAMED_BYTES, by_rows
 from ..stream.meta import config_dtype
 from .planner import Device, LayerCost, ModelCost
 
@@ -68,12 +68,13 @@ def _records(store: Store, part: str) -> list:
 
 def _stored(store: Store, part: str) -> int:
     """Stored bytes of `part`'s tensors (codes and scales of quantized ones), tied aliases counted."""
-    return sum(r.length + (r.quant["absmax"]["length"] if r.quant else 0) for r in _records(store, part))
+    return sum(r.stored_bytes for r in _records(store, part))
 
 
 def _streamable(store: Store, part: str) -> int:
-    """Bytes of `part`'s big plainly stored matrices: an embedding read by rows, a head that may be streamed."""
-    return sum(r.length for r in _records(store, part) if not r.quant and len(r.shape) == 2 and r.length >= STREAMED_BYTES)
+    """Stored bytes of `part`'s big matrices whose rows can be read by offset (ends.by_rows): an embedding read by
+    rows, a head that may be streamed."""
+    return sum(r.stored_bytes for r in _records(store, part) if by_rows(r) and r.stored_bytes >= STREAMED_BYTES)
 
 
 def _params(store: Store, part: str) -> int:

@@ -39,6 +39,11 @@ class TensorRecord:
     expert: int | None = None
     quant: dict | None = None
 
+    @property
+    def stored_bytes(self) -> int:
+        """Its bytes in the file: a quantized tensor's codes and scales together."""
+        return self.length + (self.quant["absmax"]["length"] if self.quant else 0)
+
 
 @dataclass
 class PartRecord:

@@ -66,9 +66,12 @@ class PackedEmbedding(nn.Embedding):
         return rows.to(self.weight.dtype)[inverse]
 
 
-def weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`flat_linear`, or half_linear's float32 product where `weight` is a half-precision matrix held as stored
-    beside float32 activations (a streamed head's slice)."""
+def weight_linear(x: torch.Tensor, weight: torch.Tensor | quant.QuantizedTensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """`flat_linear`, or (a streamed head's slice) the product from a quantized matrix's codes, or half_linear's
+    float32 product where `weight` is a half-precision matrix held as stored beside float32 activations."""
+    if isinstance(weight, quant.QuantizedTensor):
+        return quant_linear.linear(x, weight, bias)
     if weight.dtype != x.dtype and half_linear.supports(weight, x.dtype):
         return half_linear.linear(x, weight, bias)
     return flat_linear(x, weight, bias)

@@ -257,7 +257,7 @@ class BlockLoader:
                 if quantized:
                     resident = on_cpu   # a GPU dequantizes resident parts once, at load
                     packed[target] = resident
-                    stored = record.length + record.quant["absmax"]["length"]
+                    stored = record.stored_bytes
                 else:
                     resident = True
                     held.update([target, *keys])
@@ -388,8 +388,7 @@ class BlockLoader:
     def _count(self, names: list[str]) -> None:
         """Add these stored tensors' bytes (codes and scales of a quantized one) to `bytes_read`."""
         tensors = self.store.manifest.tensors
-        total = sum(tensors[n].length + (tensors[n].quant["absmax"]["length"] if tensors[n].quant else 0)
-                    for n in names if n in tensors)
+        total = sum(tensors[n].stored_bytes for n in names if n in tensors)
         with self._counting:
             self.bytes_read += total
 

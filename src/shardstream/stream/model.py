@@ -127,7 +127,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
         in_flight = prefetch_depth + 1 if options.prefetching else 1
         streaming = working_set(pieces, in_flight)
-        self._ends = Ends(store, self.model, mapper, self.device, uses_embedding=self.blocks.start == 0,
+        self._ends = Ends(store, self.model, mapper, self.device, self._loader.packed_keys,
+                          uses_embedding=self.blocks.start == 0,
                           uses_head=self.blocks.stop == store.num_layers)
         head_buffers = self._loader.piece_buffer_bytes()
 
