@@ -8,7 +8,7 @@ import torch
 from shardstream import AutoModel, EngineOptions
 from shardstream.errors import InvalidOption
 from shardstream.stream.pieces import BATCH_PIECE_BYTES
-from shardstream.stream.residency import batch_resident_budget
+from shardstream.stream.residency import batch_auto_budget
 from tiny_models import llama_store_with_tokenizer
 
 
@@ -31,7 +31,7 @@ def test_for_batch_leaves_room_for_the_kv_caches_and_keeps_what_was_given():
     one = EngineOptions(experts="on_demand")
     assert one.for_batch(1, "cpu") is one
     batch = one.for_batch(8, "cpu")
-    share = int(batch_resident_budget("auto", 8, "cpu"))
+    share = batch_auto_budget("cpu")
     assert (batch.max_resident_memory, batch.max_expert_memory, batch.piece_bytes) == (share, share, BATCH_PIECE_BYTES)
     given = EngineOptions(max_resident_memory=0, piece_bytes=1 << 20).for_batch(8, "cpu")
     assert (given.max_resident_memory, given.max_expert_memory, given.piece_bytes) == (0, "auto", 1 << 20)

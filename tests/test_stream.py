@@ -18,7 +18,7 @@ from shardstream.cli import app
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
 from shardstream.store import load_manifest, open_store
-from shardstream import AutoModel
+from shardstream import AutoModel, EngineOptions
 from shardstream.stream import StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
@@ -158,14 +158,16 @@ def test_budget_and_choice_of_resident_blocks():
     assert choose_resident([10, 30, 10], 25) == [0]
     assert choose_resident([10, 10, 10], 30, streaming_bytes=20) == [0, 1, 2]  # all fit: nothing streams
     assert choose_resident([10, 10, 10, 10], 30, streaming_bytes=20) == [0]
-    assert resolve_budget(0, 5) == 0
-    assert choose_resident([10, 10, 10], resolve_budget(None, 5), streaming_bytes=10) == [0, 1, 2]  # None: no limit
-    assert 0 < resolve_budget("auto", 0)
+    assert resolve_budget(EngineOptions(max_resident_memory=0), 5) == 0
+    no_limit = resolve_budget(EngineOptions(max_resident_memory=None), 5)
+    assert choose_resident([10, 10, 10], no_limit, streaming_bytes=10) == [0, 1, 2]
+    assert 0 < resolve_budget(EngineOptions(), 0)   # auto
     with pytest.raises(InvalidOption, match="max_resident_memory"):
-        resolve_budget(-1, 0)
-    assert resolve_host_budget("auto", "cpu") == resolve_host_budget(0, "cpu") == 0
+        EngineOptions(max_resident_memory=-1)
+    assert resolve_host_budget(EngineOptions(), "cpu") == 0
+    assert resolve_host_budget(EngineOptions(max_host_memory=0), "cpu") == 0
     with pytest.raises(InvalidOption, match="max_host_memory applies only with device='cuda'"):
-        resolve_host_budget(1 << 30, "cpu")
+        resolve_host_budget(EngineOptions(max_host_memory=1 << 30), "cpu")
 
 
 def test_profiling_mode_prints_per_block_times(llama, capsys):

@@ -27,7 +27,7 @@ from shardstream.stream import StreamingModel, quant_linear
 from shardstream.serving.admission import room
 from shardstream.serving.batching import BatchEngine
 from shardstream.serving.protocol import NO_TOKEN, SamplingParams
-from shardstream.stream.residency import AUTO_SHARE, resolve_budget
+from shardstream.stream.residency import AUTO_SHARE, auto_budget
 from tiny_models import char_tokenizer, save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -191,10 +191,10 @@ def test_experts_read_on_demand_from_two_tiers_on_the_gpu(tmp_path):
 
 def test_auto_residency_and_batch_admission_count_the_gpu_memory_not_the_host_memory():
     device = torch.device("cuda")
-    before, room_before = resolve_budget("auto", 0, device), room(device)
+    before, room_before = auto_budget(0, device), room(device)
     assert before == pytest.approx(gpu_free_bytes(device) * AUTO_SHARE, rel=0.01)
     held = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    assert before - resolve_budget("auto", 0, device) == pytest.approx((2 << 30) * AUTO_SHARE, rel=0.05)
+    assert before - auto_budget(0, device) == pytest.approx((2 << 30) * AUTO_SHARE, rel=0.05)
     assert room_before - room(device) == pytest.approx(2 << 30, rel=0.05)
     del held
 

@@ -82,8 +82,8 @@ def command_options(max_resident_memory: str, max_host_memory: str, device: str,
                     experts: str = "with-block", profile: bool = False, batch_size: int = 1) -> EngineOptions:
     """The engine options of a command's --max-resident-memory, --max-host-memory, --compute-dtype,
     --experts and --profile, checked before anything is read, for a model that runs `batch_size` sequences
-    at once (EngineOptions.for_batch): one process's, or one tensor-parallel rank's (whose `auto` is its
-    share of the machine, residency.resolve_budget)."""
+    at once (EngineOptions.for_batch): the one value the command hands on, to its process's model or to its
+    tensor-parallel rank (whose `auto` is its share of the machine, residency.auto_budget)."""
     from ..stream.compute_dtype import parse_compute_dtype
     from ..stream.engine_options import EngineOptions
 
@@ -91,7 +91,10 @@ def command_options(max_resident_memory: str, max_host_memory: str, device: str,
     if experts not in EXPERT_OPTIONS:
         raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {experts!r}.")
     parse_compute_dtype(compute_dtype, "--compute-dtype")
-    budget, host = memory_options(max_resident_memory, max_host_memory, device)
+    budget = _size_or_auto(max_resident_memory, "--max-resident-memory")
+    host = _size_or_auto(max_host_memory, "--max-host-memory")
+    if host not in ("auto", 0) and not device.startswith("cuda"):
+        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
     return EngineOptions(compute_dtype=compute_dtype, max_resident_memory=budget, max_host_memory=host,
                          experts=EXPERT_OPTIONS[experts], profiling_mode=profile).for_batch(batch_size, device)
 
@@ -102,13 +105,9 @@ def refuse_experts_with_tp(experts: str) -> None:
         raise InvalidOption(f"--experts {experts} cannot be combined with --tensor-parallel; leave --experts out.")
 
 
-def memory_options(max_resident_memory: str, max_host_memory: str, device: str) -> tuple[int | str, int | str]:
-    """--max-resident-memory and --max-host-memory as from_pretrained takes them ('auto' or bytes)."""
-    budget = "auto" if max_resident_memory == "auto" else parse_size(max_resident_memory, "--max-resident-memory")
-    host = "auto" if max_host_memory == "auto" else parse_size(max_host_memory, "--max-host-memory")
-    if host not in ("auto", 0) and not device.startswith("cuda"):
-        raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
-    return budget, host
+def _size_or_auto(value: str, flag: str) -> int | str:
+    """A memory flag's text as EngineOptions takes it: 'auto', or bytes."""
+    return "auto" if value == "auto" else parse_size(value, flag)
 
 
 @contextlib.contextmanager

@@ -53,14 +53,17 @@ def generate_command(
     stops = list(stop or [])
     converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
-        from .tp_generate import generate_tp
+        from .tp_generate import generate_tp, refuse_unsupported
 
         _check_utf8(prompt or "")
         refuse_experts_with_tp(experts)
         given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
+        refuse_unsupported([name for name, value in given.items() if value is not None])
+        if prompt is None:
+            raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
+        engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
         generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
-                    not no_progress, [name for name, value in given.items() if value is not None], compute_dtype,
-                    converting, max_resident_memory, max_host_memory, tp_cache)
+                    not no_progress, engine, converting, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if (prompt is None) == (prompts_file is None):

@@ -83,8 +83,8 @@ def serve_command(
         refuse_experts_with_tp(experts)
         from .tp_serve import serve_tp
 
-        serve_tp(source, endpoint, device, compute_dtype, store_path, converting, not no_progress, timeout,
-                 max_resident_memory, max_host_memory, tp_cache)
+        options = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # for one sequence
+        serve_tp(source, endpoint, device, options, store_path, converting, not no_progress, timeout, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if tp_timeout is not None:

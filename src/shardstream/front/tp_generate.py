@@ -34,22 +34,16 @@ def open_rank(source: str, store_path: str | None, device: str, converting: Conv
                                      tp_cache=tp_cache, options=options)
 
 
-def generate_tp(source: str, prompt: str | None, max_new_tokens: int, temperature: float, top_p: float,
-                top_k: int, seed: int | None, stops: list[str], device: str, store_path: str | None,
-                progress: bool, unsupported: list[str], compute_dtype: str, converting: Converting,
-                max_resident_memory: str = "auto", max_host_memory: str = "auto", tp_cache: str | None = None) -> None:
-    """One prompt over the ranks, each streaming its shares within `--max-resident-memory` (and, on a GPU,
-    `--max-host-memory`) as generate streams a whole model; `unsupported` names the options given that TP
-    does not take; a checkpoint is converted with `converting`'s options, as generate converts one."""
-    refuse_unsupported(unsupported)
-    if prompt is None:
-        raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
+def generate_tp(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                seed: int | None, stops: list[str], device: str, store_path: str | None, progress: bool,
+                options: EngineOptions, converting: Converting, tp_cache: str | None = None) -> None:
+    """One prompt over the ranks, each streaming its shares with `options` (the command's, for one sequence)
+    as generate streams a whole model; a checkpoint is converted with `converting`'s options, as generate
+    converts one."""
     import torch.distributed as dist
 
-    from .cli import command_options
     from ..serving.text import generate_one, load_tokenizer
 
-    engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
-    with open_rank(source, store_path, device, converting, progress, engine, tp_cache) as model:
+    with open_rank(source, store_path, device, converting, progress, options, tp_cache) as model:
         generate_one(model, load_tokenizer(model), prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, seed=seed, stops=stops, prints=dist.get_rank() == 0)

@@ -31,7 +31,7 @@ from ..store import Store
 from ..store.sharding import load_index
 from ..stream.engine_options import EngineOptions
 from ..stream.model import StreamingModel
-from ..stream.residency import resolve_budget
+from ..stream.residency import auto_budget
 
 MAX_SESSIONS = 8
 
@@ -52,7 +52,7 @@ class StageModel:
         """`options`: the engine's (the agent's); its resident budget is the plan's: none (every block in
         memory) without `stream_budget`, else that budget, capped by what this process may use now ('auto')."""
         options = options or EngineOptions()
-        budget = None if stream_budget is None else min(stream_budget, resolve_budget("auto", 0))
+        budget = None if stream_budget is None else min(stream_budget, auto_budget(0))
         placed = any(first <= record.group < last for record in load_index(store).experts.values())
         options = replace(options, max_resident_memory=budget, experts="on_demand" if placed else options.experts)
         self.engine = StreamingModel(store, options, blocks=range(first, last))

@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidOption
 from .compute_dtype import parse_compute_dtype
 from . import pieces
-from .residency import batch_resident_budget, bytes_option
+from .residency import batch_auto_budget, bytes_option
 
 EXPERT_MODES = ("with_block", "on_demand")
 
@@ -64,7 +64,7 @@ class EngineOptions:
         pieces.py); one sequence keeps them as they are."""
         if batch_size == 1:
             return self
-        share = int(batch_resident_budget("auto", batch_size, device))
+        share = batch_auto_budget(device)
         return replace(self,
                        max_resident_memory=share if self.max_resident_memory == "auto" else self.max_resident_memory,
                        max_expert_memory=share if self.experts == "on_demand" and self.max_expert_memory == "auto"

@@ -118,10 +118,10 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
         unused = self._unused_modules(mapper, outside)
-        self._loader.host_budget = resolve_host_budget(options.max_host_memory, self.device)
+        self._loader.host_budget = resolve_host_budget(options, self.device)
         self._loader.pack_linear_weights(packable_weights(self.model), parts)
         self.block_modules = blocks = [self.model.get_submodule(p) for p in prefixes]   # the decoder blocks, in order
-        pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options.piece_bytes, options.prefetch_depth)
+        pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options)
         sizes = [self._bytes_in_memory(s, resident=True) for s in self._slots]
         # bytes the pieces in flight take once streaming starts (O_DIRECT buffers or mapped pages), out of the
         # resident budget; a batch engine makes its warm-up pass so that they are taken before it admits
@@ -138,7 +138,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             ends = self._ends.names
             fixed = (self._resident_slots.nbytes - self._ends.slot_bytes
                      - self._loader.packing_saves(self._resident_slots.names - ends, resident=True))
-            budget = resolve_budget(options.max_resident_memory, fixed, self.device)
+            budget = resolve_budget(options, fixed, self.device)
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, outside, prefixes + list(unused), place)
@@ -155,7 +155,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
-            self.experts.fit(resolve_expert_budget(options.max_expert_memory, self.device, self.stream_working_set),
+            self.experts.fit(resolve_expert_budget(options, self.device, self.stream_working_set),
                              auto=options.max_expert_memory == "auto")
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
@@ -220,17 +220,18 @@ class StreamingModel(TransformersHabits, WrapsModel):
                 )
 
     def _read_ahead(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
-                    piece_bytes: int | None, depth: int | str) -> tuple[dict[int, list[Piece]], int]:
-        """The blocks' pieces (see `_split`) and how many are read ahead. `depth='auto'` on a CPU with the
-        default pieces: blocks cut at half PIECE_BYTES, and as many pieces read ahead as fill the working
-        set that PIECE_BYTES pieces with one read ahead would take. The same memory then holds more,
-        smaller pieces, so both reader threads have one to read while a third computes: with O_DIRECT the
-        disk works only on what is asked of it, and one piece at a time leaves it idle between pieces
-        (docs/BENCHMARKS.md, section "Real shapes"); where a Linear alone exceeds half PIECE_BYTES
-        (a 7B's MLP), or a block is read whole, nothing changes. Elsewhere (a GPU's copies, pieces asked
-        for): one piece read ahead."""
-        if depth != "auto" or piece_bytes is not None or self.device.type != "cpu":
-            return self._split(blocks, prefixes, mapper, piece_bytes), 1 if depth == "auto" else depth
+                    options: EngineOptions) -> tuple[dict[int, list[Piece]], int]:
+        """The blocks' pieces (see `_split`) and how many are read ahead, from `options.piece_bytes` and
+        `options.prefetch_depth`. Depth 'auto' on a CPU with the default pieces: blocks cut at half PIECE_BYTES,
+        and as many pieces read ahead as fill the working set that PIECE_BYTES pieces with one read ahead would
+        take. The same memory then holds more, smaller pieces, so both reader threads have one to read while a
+        third computes: with O_DIRECT the disk works only on what is asked of it, and one piece at a time leaves
+        it idle between pieces (docs/BENCHMARKS.md, section "Real shapes"); where a Linear alone exceeds half
+        PIECE_BYTES (a 7B's MLP), or a block is read whole, nothing changes. Elsewhere (a GPU's copies, pieces
+        asked for): one piece read ahead."""
+        depth = options.prefetch_depth
+        if depth != "auto" or options.piece_bytes is not None or self.device.type != "cpu":
+            return self._split(blocks, prefixes, mapper, options.piece_bytes), 1 if depth == "auto" else depth
         default = splitting.PIECE_BYTES   # read at call time, as split_block does
         pieces = self._split(blocks, prefixes, mapper, default // 2)
         largest = largest_counted(pieces)
@@ -238,14 +239,14 @@ class StreamingModel(TransformersHabits, WrapsModel):
         return pieces, max(1, 2 * before // largest - 1) if largest else 1
 
     def _split(self, blocks: list[torch.nn.Module], prefixes: list[str], mapper: WeightMapper,
-               piece_bytes: int | None, plan: bool = True) -> dict[int, list[Piece]]:
-        """Each block's pieces (pieces.py: siblings grouped up to `piece_bytes`), and (`plan`) the loader's
+               limit: int | None, plan: bool = True) -> dict[int, list[Piece]]:
+        """Each block's pieces (pieces.py: siblings grouped up to `limit` bytes), and (`plan`) the loader's
         plan for reading them; a block the loader cannot split (see BlockLoader.split) is one piece."""
         pieces: dict[int, list[Piece]] = {}
         reads: dict[tuple[int, int], list[str] | None] = {}
         for k, (block, prefix) in enumerate(zip(blocks, prefixes)):
             names = self._slots[k].names & mapper.target_names(self._loader.checkpoint_keys(k))
-            split = split_block(block, prefix, names, piece_bytes, self._checkpoint_element)
+            split = split_block(block, prefix, names, limit, self._checkpoint_element)
             keys = self._loader.split(k, split)
             if keys is None:
                 pieces[k] = whole(block, names, self._slots[k].nbytes - self._loader.packing_saves(names))

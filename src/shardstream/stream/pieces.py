@@ -47,13 +47,13 @@ def _own(module: nn.Module, full: str, names: set[str], element: int | None) -> 
     return own
 
 
-def split_block(block: nn.Module, prefix: str, names: set[str], piece_bytes: int | None = None,
+def split_block(block: nn.Module, prefix: str, names: set[str], limit: int | None = None,
                 element: int | None = None) -> list[Piece]:
     """Pieces of `block` (named `prefix`) covering `names`, the parameters its part provides; siblings
-    share a piece up to `piece_bytes` (default PIECE_BYTES), each value counted `element` bytes (the
+    share a piece up to `limit` bytes (default PIECE_BYTES), each value counted `element` bytes (the
     checkpoint's dtype, so that a store is cut alike in every compute dtype; None: the parameters' own).
     The pieces' `nbytes` are in the same count: the caller sets what they hold in memory."""
-    piece_bytes = piece_bytes or PIECE_BYTES
+    limit = limit or PIECE_BYTES
     small: dict[str, int] = {}
     big: list[Piece] = []
     parents: list[str] = []   # of each big piece's modules
@@ -66,7 +66,7 @@ def split_block(block: nn.Module, prefix: str, names: set[str], piece_bytes: int
             small.update(own)
             continue
         parent = module_name.rpartition(".")[0]
-        if big and parents[-1] == parent and big[-1].nbytes + size <= piece_bytes:
+        if big and parents[-1] == parent and big[-1].nbytes + size <= limit:
             last = big[-1]
             big[-1] = Piece((*last.modules, module), last.names | frozenset(own), last.nbytes + size)
         else:

@@ -18,28 +18,33 @@ from ..memory import available_memory, gpu_free_bytes
 if TYPE_CHECKING:
     import torch
 
+    from .engine_options import EngineOptions
+
 BATCH_RESIDENT_SHARE = 0.25  # of `auto`'s resident-block budget when batching; the rest is left to the batch
 HOST_SHARE = 0.5  # of the RAM available, page-locked by a GPU model's host tier: the kernel can neither swap nor reclaim it
 AUTO_SHARE = 0.75  # of the memory available once the fixed parts are loaded; the rest is slack for the page cache, KV cache and activations
 
 
-def resolve_budget(max_resident_memory: int | str | None, fixed_bytes: int, device: torch.device | str | None = None) -> int:
-    """Bytes of blocks to keep resident on `device` (the streamed blocks' working set comes out of it too);
-    None: no limit, every block stays.
+def resolve_budget(options: EngineOptions, fixed_bytes: int, device: torch.device | str | None = None) -> int:
+    """Bytes of blocks to keep resident on `device` under `options.max_resident_memory` (the streamed blocks'
+    working set comes out of it too): `auto_budget` for 'auto'; None: no limit, every block stays."""
+    if options.max_resident_memory == "auto":
+        return auto_budget(fixed_bytes, device)
+    return bytes_option("max_resident_memory", options.max_resident_memory)
 
-    'auto' = AUTO_SHARE of the memory available after the fixed parts (embeddings, head) were
-    loaded: on a GPU, the GPU's free memory (which counts those parts already); on the CPU, RAM,
-    divided among the processes that share it (`machine_processes`). A cgroup's usage already counts
-    those parts' pages; the system-wide figure counts them as reclaimable page cache, so there they
-    are subtracted. Blocks kept resident are reads saved on every pass (docs/BENCHMARKS.md, "Stream"
-    compares it with pure streaming).
+
+def auto_budget(fixed_bytes: int, device: torch.device | str | None = None) -> int:
+    """The bytes of blocks 'auto' keeps resident on `device`: AUTO_SHARE of the memory available after the
+    fixed parts (embeddings, head) were loaded: on a GPU, the GPU's free memory (which counts those parts
+    already); on the CPU, RAM, divided among the processes that share it (`machine_processes`). A cgroup's
+    usage already counts those parts' pages; the system-wide figure counts them as reclaimable page cache,
+    so there they are subtracted. Blocks kept resident are reads saved on every pass (docs/BENCHMARKS.md,
+    "Stream" compares it with pure streaming).
     """
-    if max_resident_memory == "auto" and str(device).startswith("cuda"):
+    if str(device).startswith("cuda"):
         return int(gpu_free_bytes(device) * AUTO_SHARE)
-    if max_resident_memory == "auto":
-        available, capped = available_memory()
-        return max(0, int(available * AUTO_SHARE) // machine_processes() - (0 if capped else fixed_bytes))
-    return bytes_option("max_resident_memory", max_resident_memory)
+    available, capped = available_memory()
+    return max(0, int(available * AUTO_SHARE) // machine_processes() - (0 if capped else fixed_bytes))
 
 
 def machine_processes() -> int:
@@ -48,27 +53,28 @@ def machine_processes() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def resolve_host_budget(max_host_memory: int | str | None, device: torch.device | str) -> int:
+def resolve_host_budget(options: EngineOptions, device: torch.device | str) -> int:
     """Bytes of streamed pieces a model on a GPU keeps page-locked in host RAM after their first read
-    (None: no limit), so that a token only copies them to the GPU (loader.BlockLoader._reserve). 'auto' =
-    HOST_SHARE of the RAM available. On the CPU there is nothing to copy: only 'auto' or 0 is accepted."""
+    (`options.max_host_memory`; None: no limit), so that a token only copies them to the GPU
+    (loader.BlockLoader._reserve). 'auto' = HOST_SHARE of the RAM available. On the CPU there is nothing to
+    copy: only 'auto' or 0 is accepted."""
     if not str(device).startswith("cuda"):
-        if max_host_memory not in ("auto", 0):
+        if options.max_host_memory not in ("auto", 0):
             raise InvalidOption("max_host_memory applies only with device='cuda'; on the CPU, max_resident_memory "
                                 "keeps blocks in RAM. Leave it out.")
         return 0
-    if max_host_memory == "auto":
+    if options.max_host_memory == "auto":
         return int(available_memory()[0] * HOST_SHARE)
-    return bytes_option("max_host_memory", max_host_memory)
+    return bytes_option("max_host_memory", options.max_host_memory)
 
 
-def resolve_expert_budget(max_expert_memory: int | str | None, device: torch.device | str, streaming_bytes: int) -> int:
-    """Bytes for MoE experts read on demand (experts='on_demand', experts.py): `max_expert_memory` itself,
-    None for no limit; 'auto': AUTO_SHARE of the memory left once the resident parts are loaded, less
-    `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on a
-    GPU, of the GPU's free memory."""
-    if max_expert_memory != "auto":
-        return bytes_option("max_expert_memory", max_expert_memory)
+def resolve_expert_budget(options: EngineOptions, device: torch.device | str, streaming_bytes: int) -> int:
+    """Bytes for MoE experts read on demand (experts='on_demand', experts.py): `options.max_expert_memory`
+    itself, None for no limit; 'auto': AUTO_SHARE of the memory left once the resident parts are loaded,
+    less `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on
+    a GPU, of the GPU's free memory."""
+    if options.max_expert_memory != "auto":
+        return bytes_option("max_expert_memory", options.max_expert_memory)
     if str(device).startswith("cuda"):
         return int(gpu_free_bytes(device) * AUTO_SHARE)
     return max(0, int((available_memory()[0] - streaming_bytes) * AUTO_SHARE))
@@ -100,11 +106,9 @@ def choose_resident(block_bytes: list[int], budget: int, streaming_bytes: int = 
     return chosen
 
 
-def batch_resident_budget(max_resident_memory: str, batch_size: int, device: torch.device | str | None = None) -> str:
+def batch_auto_budget(device: torch.device | str) -> int:
     """`auto` for a batch (serve, offline) keeps blocks resident out of BATCH_RESIDENT_SHARE of what it
     would alone: a resident block saves one block read per pass, while the same bytes of KV cache let
     more requests share every pass, and a full batch is bound by compute, not reads (docs/BENCHMARKS.md,
     "Many tokens per weight read", has the shares tried)."""
-    if max_resident_memory != "auto" or batch_size == 1:
-        return max_resident_memory
-    return str(int(resolve_budget("auto", 0, device) * BATCH_RESIDENT_SHARE))
+    return int(auto_budget(0, device) * BATCH_RESIDENT_SHARE)
