@@ -45,8 +45,9 @@ def stores(tmp_path_factory):
 
 
 def _read_bytes() -> int:
-    """Bytes this process has read with read/pread calls so far (/proc/self/io rchar)."""
-    with open("/proc/self/io") as f:
+    """Bytes this thread has read with read/pread calls so far (/proc/thread-self/io rchar): the rows are read
+    by the thread running the pass, while the blocks' reader threads may be reading ahead."""
+    with open("/proc/thread-self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
