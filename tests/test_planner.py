@@ -379,3 +379,14 @@ def test_a_last_stage_that_cannot_hold_its_head_streams_it():
     no_disk = [Device(d.name, 6 * GIB, 50, GIB) for d in devices]
     with pytest.raises(PlanInfeasible, match="no device reported a disk read speed"):
         plan(model, no_disk, PlanOptions(context_length=0))
+
+
+def test_a_streamed_last_stage_that_keeps_its_head_is_given_it_in_its_budget():
+    """The engine places a big head out of the resident budget it is given, so the budget the plan hands a
+    streamed last stage that keeps its head holds the head as well as the blocks' share."""
+    model, _ = streamed_case()
+    model.head_bytes = GIB
+    devices = [Device("a", 6 * GIB, 50, GIB, disk_bytes_per_s=GIB // 8), Device("b", 6 * GIB, 50, GIB, disk_bytes_per_s=2 * GIB)]
+    last = plan(model, devices, PlanOptions(context_length=0, default_link=FREE)).stages[-1]
+    assert (last.first_layer, last.last_layer_exclusive, last.streamed_bytes_per_token) == (2, 5, 4 * GIB)
+    assert last.stream_budget_bytes == 4 * GIB + GIB   # 5 GiB free less the head, for blocks; and the head

@@ -106,7 +106,7 @@ class Stage:
     predicted_seconds_per_token: float
     streamed_bytes_per_token: int = 0   # > 0: the stage streams these bytes of blocks from disk per token
     read_seconds_per_token: float = 0.0   # their price at the device's disk read speed (in the time above)
-    stream_budget_bytes: int = 0   # a streamed stage's memory for blocks: resident ones and those in flight
+    stream_budget_bytes: int = 0   # a streamed stage's resident budget: blocks resident and in flight, and a head it keeps
 
 
 @dataclass
@@ -319,13 +319,16 @@ class _Problem:
         blocks = self.weights[j] - self.weights[i]
         for_blocks = self.free[d] - (total - blocks)
         room = for_blocks - (STREAM_DEPTH + 1) * self.largest[i][j - i - 1]
-        head = self.model.head_bytes if j == self.num_layers and room < 0 else 0
+        last = j == self.num_layers
+        head = self.model.head_bytes if last and room < 0 else 0
         room, for_blocks = room + head, for_blocks + head
         if room < 0:
             return None
         resident_end = min(j, bisect_right(self.weights, self.weights[i] + room) - 1)
         streamed = self.weights[j] - self.weights[resident_end] + head
-        return self.free[d] - room + self.weights[resident_end] - self.weights[i], streamed, for_blocks
+        # the engine places a big head out of its resident budget (stream/ends.py): one the plan keeps is in it
+        budget = for_blocks + (self.model.head_bytes if last and not head else 0)
+        return self.free[d] - room + self.weights[resident_end] - self.weights[i], streamed, budget
 
     def make_plan(self, spans: list[tuple[int, int, int]]) -> Plan:
         stages = []
