@@ -23,7 +23,7 @@ from shardstream.stream import StreamingModel
 from shardstream.stream.loader import LoadedBlock
 from shardstream.stream.prefetch import Prefetcher
 from shardstream.stream.profile import Profile
-from shardstream.stream.residency import choose_resident, resolve_budget, resolve_host_budget
+from shardstream.stream.residency import choose_resident
 from tiny_models import save_checkpoint
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2",
@@ -158,16 +158,16 @@ def test_budget_and_choice_of_resident_blocks():
     assert choose_resident([10, 30, 10], 25) == [0]
     assert choose_resident([10, 10, 10], 30, streaming_bytes=20) == [0, 1, 2]  # all fit: nothing streams
     assert choose_resident([10, 10, 10, 10], 30, streaming_bytes=20) == [0]
-    assert resolve_budget(EngineOptions(max_resident_memory=0), 5) == 0
-    no_limit = resolve_budget(EngineOptions(max_resident_memory=None), 5)
+    assert EngineOptions(max_resident_memory=0).resident_budget(5) == 0
+    no_limit = EngineOptions(max_resident_memory=None).resident_budget(5)
     assert choose_resident([10, 10, 10], no_limit, streaming_bytes=10) == [0, 1, 2]
-    assert 0 < resolve_budget(EngineOptions(), 0)   # auto
+    assert 0 < EngineOptions().resident_budget(0)   # auto
     with pytest.raises(InvalidOption, match="max_resident_memory"):
         EngineOptions(max_resident_memory=-1)
-    assert resolve_host_budget(EngineOptions(), "cpu") == 0
-    assert resolve_host_budget(EngineOptions(max_host_memory=0), "cpu") == 0
+    assert EngineOptions().host_budget("cpu") == 0
+    assert EngineOptions(max_host_memory=0).host_budget("cpu") == 0
     with pytest.raises(InvalidOption, match="max_host_memory applies only with device='cuda'"):
-        resolve_host_budget(EngineOptions(max_host_memory=1 << 30), "cpu")
+        EngineOptions(max_host_memory=1 << 30).host_budget("cpu")
 
 
 def test_profiling_mode_prints_per_block_times(llama, capsys):

@@ -39,12 +39,6 @@ class StagePackage:
     stage_id: str
 
 
-def stage_parts(store: Store, first: int, last: int) -> list[str]:
-    """Start on the first stage, blocks [first, last), end on the last."""
-    parts = [f"mid/{i}" for i in range(first, last)]
-    return (["start"] if first == 0 else []) + parts + (["end"] if last == store.num_layers else [])
-
-
 def stage_manifest(store: Store, first: int, last: int) -> bytes:
     """The canonical `stage.json`: weight files (with the files that tied tensors point into), the
     blocks' placed experts with their index, and meta files."""
@@ -55,9 +49,8 @@ def _stage_files(store: Store, first: int, last: int) -> tuple[bytes, dict[str, 
     """`stage.json`, and where each of its files comes from: a path, or bytes made for the stage."""
     manifest = store.manifest
     files, sources = {}, {}
-    for part in stage_parts(store, first, last):
-        targets = [manifest.tensors[a["target"]].file for a in manifest.aliases.values() if a["part"] == part]
-        for name in [*manifest.parts[part].files, *targets]:
+    for part in store.parts_of(range(first, last)):
+        for name in store.read_files(part):
             record = manifest.files[name]
             files[name], sources[name] = {"size": record.size, "xxh3_128": record.xxh3_128}, store.file_path(name)
     index = load_index(store)

@@ -70,6 +70,23 @@ class Store:
         """The manifest files holding the part (names relative to the store; see `file_path`)."""
         return list(self._part(part).files)
 
+    def read_files(self, part: str) -> list[str]:
+        """The manifest files a load of the part reads: its own, and those its tied aliases point into (a tied
+        head's embedding, stored with the start)."""
+        aliased = [self.manifest.tensors[a["target"]].file for a in self.manifest.aliases.values() if a["part"] == part]
+        return list(dict.fromkeys([*self._part(part).files, *aliased]))
+
+    def parts_of(self, blocks: range) -> list[str]:
+        """The parts a model of these blocks reads, in order: theirs, the start with the first block, the end
+        with the last (a pipeline stage's; all of them for the whole model)."""
+        def read(part: str) -> bool:
+            kind, _, index = part.partition("/")
+            if kind == "mid":
+                return int(index) in blocks
+            return (part != "start" or blocks.start == 0) and (part != "end" or blocks.stop == self.num_layers)
+
+        return [part for part in self.parts if read(part)]
+
     def tensor_names(self, part: str) -> list[str]:
         """Names a load of this part returns, tied aliases and experts stored apart included."""
         placed = [n for r in self._placed(part) for n in r.tensors]

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import InvalidOption
+from ..memory import available_memory, gpu_free_bytes
 from .compute_dtype import parse_compute_dtype
 from . import pieces
-from .residency import batch_auto_budget, bytes_option
+from .residency import AUTO_SHARE, HOST_SHARE, auto_budget, batch_auto_budget, bytes_option
 
 EXPERT_MODES = ("with_block", "on_demand")
 
@@ -70,6 +71,38 @@ class EngineOptions:
                        max_expert_memory=share if self.experts == "on_demand" and self.max_expert_memory == "auto"
                        else self.max_expert_memory,
                        piece_bytes=pieces.BATCH_PIECE_BYTES if self.piece_bytes is None else self.piece_bytes)
+
+    def resident_budget(self, fixed_bytes: int, device: torch.device | str | None = None) -> int:
+        """Bytes of blocks to keep resident on `device` under `max_resident_memory` (the streamed blocks'
+        working set comes out of it too): residency.auto_budget for 'auto'; None: no limit, every block stays."""
+        if self.max_resident_memory == "auto":
+            return auto_budget(fixed_bytes, device)
+        return bytes_option("max_resident_memory", self.max_resident_memory)
+
+    def host_budget(self, device: torch.device | str) -> int:
+        """Bytes of streamed pieces a model on a GPU keeps page-locked in host RAM after their first read
+        (`max_host_memory`; None: no limit), so that a token only copies them to the GPU
+        (loader.BlockLoader._reserve). 'auto' = HOST_SHARE of the RAM available. On the CPU there is nothing to
+        copy: only 'auto' or 0 is accepted."""
+        if not str(device).startswith("cuda"):
+            if self.max_host_memory not in ("auto", 0):
+                raise InvalidOption("max_host_memory applies only with device='cuda'; on the CPU, max_resident_memory "
+                                    "keeps blocks in RAM. Leave it out.")
+            return 0
+        if self.max_host_memory == "auto":
+            return int(available_memory()[0] * HOST_SHARE)
+        return bytes_option("max_host_memory", self.max_host_memory)
+
+    def expert_budget(self, device: torch.device | str, streaming_bytes: int) -> int:
+        """Bytes for MoE experts read on demand (experts='on_demand', experts.py): `max_expert_memory` itself,
+        None for no limit; 'auto': AUTO_SHARE of the memory left once the resident parts are loaded, less
+        `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on a
+        GPU, of the GPU's free memory."""
+        if self.max_expert_memory != "auto":
+            return bytes_option("max_expert_memory", self.max_expert_memory)
+        if str(device).startswith("cuda"):
+            return int(gpu_free_bytes(device) * AUTO_SHARE)
+        return max(0, int((available_memory()[0] - streaming_bytes) * AUTO_SHARE))
 
 
 def engine_options(options: EngineOptions | None, given: dict) -> EngineOptions:

@@ -38,7 +38,7 @@ from . import pieces as splitting
 from .pieces import Piece, held_through, largest_counted, split_block, whole, working_set
 from .profile import Profile
 from .report import EngineReport
-from .residency import choose_resident, resolve_budget, resolve_expert_budget, resolve_host_budget
+from .residency import choose_resident
 from .shapes import check_stored_shapes
 from .weights import Slots, WeightMapper
 
@@ -51,8 +51,7 @@ COMPUTE_BOUND_ROWS = 4
 
 def _check_files(store: Store, parts: list[str]) -> None:
     """A deleted file of these parts would otherwise surface only when its block is first needed."""
-    aliased = {store.manifest.tensors[a["target"]].file for a in store.manifest.aliases.values() if a["part"] in parts}
-    for name in sorted({f for part in parts for f in store.part_files(part)} | aliased):
+    for name in dict.fromkeys(name for part in parts for name in store.read_files(part)):
         path = store.file_path(name)
         if not path.is_file():
             raise StoreIncomplete(
@@ -91,8 +90,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.options = options
         self.store = store
         self.blocks = _block_range(store, blocks)
-        outside = self._outside_parts()
-        parts = outside + [f"mid/{index}" for index in self.blocks]   # what this model reads of the store
+        parts = store.parts_of(self.blocks)   # what this model reads of the store
+        outside = [part for part in parts if not part.startswith("mid/")]
         _check_files(store, parts)
         self.closed = False
         self.max_seq_len = options.max_seq_len
@@ -118,7 +117,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
         self._check_blocks(mapper)
         unused = self._unused_modules(mapper, outside)
-        self._loader.host_budget = resolve_host_budget(options, self.device)
+        self._loader.host_budget = options.host_budget(self.device)
         self._loader.pack_linear_weights(packable_weights(self.model), parts)
         self.block_modules = blocks = [self.model.get_submodule(p) for p in prefixes]   # the decoder blocks, in order
         pieces, prefetch_depth = self._read_ahead(blocks, prefixes, mapper, options)
@@ -138,7 +137,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             ends = self._ends.names
             fixed = (self._resident_slots.nbytes - self._ends.slot_bytes
                      - self._loader.packing_saves(self._resident_slots.names - ends, resident=True))
-            budget = resolve_budget(options, fixed, self.device)
+            budget = options.resident_budget(fixed, self.device)
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, outside, prefixes + list(unused), place)
@@ -155,7 +154,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
-            self.experts.fit(resolve_expert_budget(options, self.device, self.stream_working_set),
+            self.experts.fit(options.expert_budget(self.device, self.stream_working_set),
                              auto=options.max_expert_memory == "auto")
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
@@ -185,13 +184,6 @@ class StreamingModel(TransformersHabits, WrapsModel):
                 )
             prefixes.append(prefix)
         return prefixes
-
-    def _outside_parts(self) -> list[str]:
-        """The parts outside the blocks that this model holds: all of them for the whole model; for a range of
-        blocks, the start only with the first block, the end only with the last."""
-        count = self.store.num_layers
-        return [p for p in self.store.parts if not p.startswith("mid/")
-                and (p != "start" or self.blocks.start == 0) and (p != "end" or self.blocks.stop == count)]
 
     def _unused_modules(self, mapper: WeightMapper, outside: list[str]) -> tuple[str, ...]:
         """The modules outside its blocks that a range of blocks does not run (another stage's embedding, final

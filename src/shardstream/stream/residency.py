@@ -18,19 +18,9 @@ from ..memory import available_memory, gpu_free_bytes
 if TYPE_CHECKING:
     import torch
 
-    from .engine_options import EngineOptions
-
 BATCH_RESIDENT_SHARE = 0.25  # of `auto`'s resident-block budget when batching; the rest is left to the batch
 HOST_SHARE = 0.5  # of the RAM available, page-locked by a GPU model's host tier: the kernel can neither swap nor reclaim it
 AUTO_SHARE = 0.75  # of the memory available once the fixed parts are loaded; the rest is slack for the page cache, KV cache and activations
-
-
-def resolve_budget(options: EngineOptions, fixed_bytes: int, device: torch.device | str | None = None) -> int:
-    """Bytes of blocks to keep resident on `device` under `options.max_resident_memory` (the streamed blocks'
-    working set comes out of it too): `auto_budget` for 'auto'; None: no limit, every block stays."""
-    if options.max_resident_memory == "auto":
-        return auto_budget(fixed_bytes, device)
-    return bytes_option("max_resident_memory", options.max_resident_memory)
 
 
 def auto_budget(fixed_bytes: int, device: torch.device | str | None = None) -> int:
@@ -51,33 +41,6 @@ def machine_processes() -> int:
     """The processes whose models share this machine's RAM: the ranks torchrun started on it
     (LOCAL_WORLD_SIZE, tensor parallelism), else this one; each takes an equal share of `auto`."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-def resolve_host_budget(options: EngineOptions, device: torch.device | str) -> int:
-    """Bytes of streamed pieces a model on a GPU keeps page-locked in host RAM after their first read
-    (`options.max_host_memory`; None: no limit), so that a token only copies them to the GPU
-    (loader.BlockLoader._reserve). 'auto' = HOST_SHARE of the RAM available. On the CPU there is nothing to
-    copy: only 'auto' or 0 is accepted."""
-    if not str(device).startswith("cuda"):
-        if options.max_host_memory not in ("auto", 0):
-            raise InvalidOption("max_host_memory applies only with device='cuda'; on the CPU, max_resident_memory "
-                                "keeps blocks in RAM. Leave it out.")
-        return 0
-    if options.max_host_memory == "auto":
-        return int(available_memory()[0] * HOST_SHARE)
-    return bytes_option("max_host_memory", options.max_host_memory)
-
-
-def resolve_expert_budget(options: EngineOptions, device: torch.device | str, streaming_bytes: int) -> int:
-    """Bytes for MoE experts read on demand (experts='on_demand', experts.py): `options.max_expert_memory`
-    itself, None for no limit; 'auto': AUTO_SHARE of the memory left once the resident parts are loaded,
-    less `streaming_bytes` (the streamed pieces in flight), for the experts and their reading together; on
-    a GPU, of the GPU's free memory."""
-    if options.max_expert_memory != "auto":
-        return bytes_option("max_expert_memory", options.max_expert_memory)
-    if str(device).startswith("cuda"):
-        return int(gpu_free_bytes(device) * AUTO_SHARE)
-    return max(0, int((available_memory()[0] - streaming_bytes) * AUTO_SHARE))
 
 
 def bytes_option(name: str, value: int | str | None) -> int:
