@@ -40,6 +40,13 @@ class Budget:
         with self.done.get_lock():
             self.done.value += n
 
+    @property
+    def steps_done(self) -> int:
+        """The steps counted so far, read without the counter's lock: the lock only keeps the workers' additions
+        whole, and a worker stopped while it held it (SIGTERM or SIGKILL inside `count`) leaves it held for good,
+        so a reader that took it would wait forever."""
+        return self.done.get_obj().value
+
 
 def next_claim(tracker: ChunkTracker, blocks: BlockManager, owner: str, cfg: TrainConfig, budget: Budget,
                on_idle: Callable[[], None] = lambda: None) -> Claim | None:

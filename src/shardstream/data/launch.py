@@ -164,10 +164,10 @@ def _progress(cfg: TrainConfig, budget: Budget, stop: threading.Event) -> None:
 
     with open_tracker(cfg.tracker_url) as tracker, tqdm(total=cfg.steps, unit="step", desc="train", disable=None) as bar:
         while not stop.wait(0.5):
-            bar.update(budget.done.value - bar.n)
+            bar.update(budget.steps_done - bar.n)
             stats = tracker.get_progress_stats()
             bar.set_postfix(epoch=stats["current_epoch"], chunks=f"{stats['chunks_done']}/{stats['chunks_total']}")
-        bar.update(budget.done.value - bar.n)
+        bar.update(budget.steps_done - bar.n)
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -240,4 +240,4 @@ def train(cfg: TrainConfig) -> dict:
             bar.join()
     with open_tracker(cfg.tracker_url) as tracker:
         stats = tracker.get_progress_stats()
-    return {**stats, "steps_this_run": budget.done.value}
+    return {**stats, "steps_this_run": budget.steps_done}
