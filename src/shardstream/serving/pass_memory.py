@@ -73,7 +73,7 @@ def _library() -> ctypes.CDLL | None:
     if PASS_MEMORY.off():
         log.info("pass memory reuse: off (%s=0)", PASS_MEMORY.name)
         return None
-    library = native.build(SOURCE, [], ["c10"], log, "pass memory reuse", "prefill passes take about 20% longer")
+    library = native.build(SOURCE, [], ["c10"], log, "pass memory reuse", "prefill passes take longer (docs/BENCHMARKS.md)")
     if library is not None:
         library.pass_memory_install.argtypes = [ctypes.c_int]
         library.pass_memory_reused.restype = ctypes.c_size_t

@@ -1,11 +1,11 @@
 """Linear layers for a few rows at a time on CPU: the same product, computed as W @ xᵀ.
 
 A batch's decode step multiplies every weight matrix by a handful of rows (one per sequence, or the
-k + 1 tokens a speculative pass checks). MKL's sgemm for `x @ Wᵀ` with 2 to about 100 rows repacks
+k + 1 tokens a speculative pass checks). MKL's sgemm for `x @ Wᵀ` with a few rows repacks
 the whole weight matrix on every call; `W @ xᵀ` streams it once. From a few hundred rows on it
 gains nothing, so larger products (a prefill) keep `F.linear` (docs/BENCHMARKS.md, section
 "Many tokens per weight read"). One row is a matrix-vector product either way and keeps `F.linear`.
-The sums are the same dot products: equal bit for bit from about 10 rows, within rounding below, as a
+The sums are the same dot products: equal bit for bit from a few rows on, within rounding below, as a
 batch already differs from a row alone.
 
 A quantized weight kept packed (quant_linear.py) is multiplied from its codes instead, at every row count,

@@ -126,7 +126,7 @@ def available() -> bool:
 def _library() -> ctypes.CDLL | None:
     return load_library("quantized-weight kernel", QUANT_KERNEL,
                         "quantized weights are dequantized on every pass "
-                        "(one stream of a 4-bit store runs about 2x slower, of an 8-bit one 1.5x)")
+                        "(slower: docs/BENCHMARKS.md, \"Quantized stores\")")
 
 
 def load_library(what: str, switch: Switch, without: str) -> ctypes.CDLL | None:
