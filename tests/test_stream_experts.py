@@ -315,3 +315,21 @@ def test_a_decode_step_in_bf16_multiplies_its_experts_in_float32_rounded_once(tm
     scale = steps["with_block"].abs().max().item()
     assert (steps["on_demand"] - steps["with_block"]).abs().max().item() <= 2e-2 * scale
     assert kernel_rows and set(kernel_rows) <= {1, 2} or not half_linear.available()
+
+
+def test_blocks_are_sized_without_the_experts_read_on_demand(family_placed):
+    """A block whose experts are read on demand keeps only its other weights in memory, so that is all residency
+    counts for it: a budget of those bytes keeps every block resident, and no expert fills a block's slot."""
+    reference, store = family_placed
+    experts = {n for n, p in reference.named_parameters() if ".experts." in n}
+    others = [sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if ".experts." not in f".{n}")
+              for layer in reference.model.layers]
+    with StreamingModel(store, experts="on_demand", max_resident_memory=sum(others), max_expert_memory=0) as model:
+        assert list(model.report().block_bytes) == others
+        assert model.resident_blocks == list(range(len(others)))
+        with StreamingModel(store, experts="with_block", max_resident_memory=sum(others)) as whole:
+            assert all(b > o for b, o in zip(whole.report().block_bytes, others))   # experts counted with their block
+        ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            assert (model(ids).logits - reference(ids).logits).abs().max().item() <= 1e-5
+        assert experts and all(model.model.get_parameter(n).device.type == "meta" for n in experts)

@@ -93,7 +93,7 @@ class _Block:
             raise UnsupportedModel(
                 f"the experts module {prefix} ({type(module).__name__}) is not the gate/up/down form that "
                 f"experts='on_demand' multiplies from stored bytes; use experts='with_block' for {root}.")
-        self.module, self.act = module, module.act_fn
+        self.module, self.prefix, self.act = module, prefix, module.act_fn
         self.count = params["gate_up_proj"].shape[0]
         self.dtype = params["gate_up_proj"].dtype
         self.roles: dict[str, str] = {}
@@ -162,6 +162,11 @@ class OnDemandExperts:
             self._blocks[layer] = _Block(module, prefix, names, mapper, str(store.root))
             module.forward = functools.partial(self._forward, layer)
         self.expert_bytes = max(self._held_bytes(r.tensors, self._blocks[r.group].dtype) for r in mine)
+
+    @property
+    def module_names(self) -> list[str]:
+        """The fused experts modules served here: their weights never fill a block's slots."""
+        return [block.prefix for block in self._blocks.values()]
 
     @property
     def count(self) -> int:

@@ -114,7 +114,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
                                          self.blocks)
                         if self.experts else BlockLoader(store, mapper, self.device, options.verify_checksums, blocks=self.blocks))
         prefixes = self._block_prefixes(mapper)
-        self._slots = [Slots(self.model.get_submodule(p), p) for p in prefixes]
+        served = self.experts.module_names if self.experts else []   # experts on demand: never in a block's slots
+        self._slots = [Slots(self.model.get_submodule(p), p, exclude=_inside(p, served)) for p in prefixes]
         self._check_blocks(mapper)
         unused = self._unused_modules(mapper, outside)
         self._loader.host_budget = options.host_budget(self.device)
@@ -487,3 +488,8 @@ def _folding_generation_arguments(generate):
 
     call.folds_generation_arguments = True
     return call
+
+
+def _inside(prefix: str, names: list[str]) -> tuple[str, ...]:
+    """`names` of modules inside the module at `prefix`, relative to it."""
+    return tuple(name[len(prefix) + 1:] for name in names if name.startswith(prefix + "."))
