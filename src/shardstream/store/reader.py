@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import mmap
 import os
 from collections.abc import Callable
@@ -124,6 +125,13 @@ class Store:
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         """Bytes of any file under the store root, unchecked (callers check against their index)."""
         return read_path(self.root / name, offset, length)
+
+    def view(self, manifest: Manifest) -> "Store":
+        """This store's files read through another manifest (one rank's TP slices: sharding.rank_view): a
+        copy of this store, local or remote (sharing its connection), that lists what `manifest` lists."""
+        view = copy.copy(self)
+        view.manifest = manifest
+        return view
 
     def file_version(self, name: str) -> tuple[int, int, int] | None:
         """Identity of one version of a file (every atomic replace is a new inode), to cache what was parsed from it."""

@@ -7,11 +7,15 @@ the new one, never a mix. Files it names are checked against its checksums befor
 A placed expert is stored apart: once `shardstream shard --experts` has finished, its tensors are
 in its tier's container for its block only, and `Store.load("mid/<l>")` reads them from there (see
 `Expert`): one read of its own bytes, checked against its own checksum.
+
+A rank's TP slices are read as a store of their own (`rank_view`): `Store.load(part, tp_rank=, tp_size=)`
+loads a part of it, and a tensor-parallel rank streams it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -24,7 +28,7 @@ from ..atomic import write_json_atomic
 from ..quant import QuantizedTensor
 from .checksum import checksum_bytes
 from .direct_io import ALIGN, DirectUnsupported, aligned, open_file, read_at
-from .manifest import FileRecord, Manifest, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
+from .manifest import FileRecord, Manifest, PartRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
 READ_CHUNK = 64 << 20   # an expert read in pieces of this size (Expert.read_into)
@@ -42,6 +46,11 @@ class StoreFiles(Protocol):
 
     def read_raw(self, name: str, offset: int = 0, length: int | None = None) -> bytearray: ...
 
+    def view(self, manifest: Manifest) -> "StoreFiles": ...
+
+    def load(self, part: str, device: str | torch.device = "cpu", *, read: Callable[[str], bytearray] | None = None,
+             tied: bool = True) -> dict[str, torch.Tensor]: ...
+
 
 INDEX_NAME = "sharding.json"
 # 2: slices record `ranges` and `quant` (tensor-parallel shares). 3: experts sit in containers, one per tier
@@ -55,8 +64,8 @@ INDEX_VERSION = 3
 class SliceRecord:
     """One rank's slice of one tensor; `split_dim` is None for a replicated tensor. `ranges`: the
     [start, stop) ranges along `split_dim` the slice concatenates (a tensor-parallel rank's share:
-    heads and halves of fused projections, replicated KV heads); None in indexes written before them,
-    whose slices are one equal block each. `quant`: the codes' quantization (as in the manifest), when
+    heads and halves of fused projections, replicated KV heads); None in slices older versions
+    wrote, which are one equal block each. `quant`: the codes' quantization (as in the manifest), when
     the slice was kept quantized."""
 
     tensor: str
@@ -335,21 +344,45 @@ def expert_record(store: StoreFiles, index: ShardIndex, layer: int, expert: int)
         ) from None
 
 
+def rank_view(store: StoreFiles, tp_rank: int, tp_size: int, tensors: Collection[str] | None = None) -> StoreFiles:
+    """Rank `tp_rank` of `tp_size`'s exported slices (`shardstream shard --tp`) as a store of their own: the
+    same files, read through a manifest (in memory) whose tensors are the rank's slices (those in `tensors`,
+    when given) and whose parts are the rank's files. The one reader of exported slices: `load_tp` loads a
+    part of it, and a tensor-parallel rank streams it as any store (tp/rankstore.py)."""
+    index = load_index(store)
+    source = store.manifest
+    manifest = Manifest(source=str(store.root), config=source.config, family=source.family,
+                        compression=source.compression, expected_parts=list(source.expected_parts),
+                        aliases=dict(source.aliases), complete=True)
+    for record in index.slices:
+        if record.rank != tp_rank or record.count != tp_size or (tensors is not None and record.tensor not in tensors):
+            continue
+        manifest.tensors[record.tensor] = slice_tensor_record(record)
+        manifest.files[record.file] = index.files[record.file]
+        part = manifest.parts.setdefault(record.part, PartRecord(files=[], tensors=[], nbytes=0))
+        part.tensors.append(record.tensor)
+        if record.file not in part.files:
+            part.files.append(record.file)
+    for part in manifest.parts.values():
+        part.nbytes = sum(manifest.files[f].size for f in part.files)
+    return store.view(manifest)
+
+
 def load_tp(store: StoreFiles, part: str, tp_rank: int, tp_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Rank `tp_rank`'s slices of one part (written by `shardstream shard --tp`): reads that
-    rank's file, checksum-verified, and nothing else of the part. MoE experts are not sliced."""
+    rank's file, checksum-verified against the index, and nothing else of the part (a tied head is the
+    start's embedding slice, not read again here). MoE experts are not sliced."""
     if not 0 <= tp_rank < tp_size:
         raise InvalidOption(f"tp_rank must be in [0, tp_size), not {tp_rank} of {tp_size}.")
-    index = load_index(store)
-    records = [s for s in index.slices if s.part == part and s.rank == tp_rank and s.count == tp_size]
-    if not records:
+    view = rank_view(store, tp_rank, tp_size)
+    if part not in view.manifest.parts:
         raise StoreIncomplete(
             f"{store.root} has no rank {tp_rank} of {tp_size} slices for {part!r}; run "
             f"`shardstream shard {store.root} --tp {tp_size}` first."
         )
-    name = records[0].file
-    data = checked(store.read_raw(name), index.files[name], f"{store.root}/{name}")
-    return {s.tensor: decode_tensor(data, 0, slice_tensor_record(s)).to(device) for s in records}
+    files = view.manifest.files
+    return view.load(part, device, tied=False,
+                     read=lambda name: checked(store.read_raw(name), files[name], f"{store.root}/{name}"))
 
 
 def slice_tensor_record(record: SliceRecord) -> TensorRecord:

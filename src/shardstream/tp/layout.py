@@ -82,17 +82,22 @@ def rank_heads(config, rank: int, size: int) -> Heads:
     return Heads(q_first, q_stop - q_first, kv_first, kv_count, head_dim)
 
 
+def check_family(config, instead: str) -> None:
+    """Refuse a model that tensor-parallel ranks do not run (its family not in FAMILIES, or without a TP plan
+    in transformers), saying `instead` what to do; the ranks and `shardstream shard --tp` share this rule."""
+    family = config.model_type
+    if family not in FAMILIES or not getattr(config, "base_model_tp_plan", None):
+        raise UnsupportedModel(
+            f"tensor parallelism supports model_type {', '.join(FAMILIES)}; this store's is {family!r}: {instead}."
+        )
+
+
 def tp_roles(model: nn.Module) -> dict[str, str]:
     """Module name -> 'column', 'row', 'vocab' (input embedding) or 'head' (LM head), from the model's
     own TP plan; modules not named are replicated."""
     config = model.config
-    family = config.model_type
-    plan = getattr(config, "base_model_tp_plan", None) or {}
-    if family not in FAMILIES or not plan:
-        raise UnsupportedModel(
-            f"tensor parallelism supports model_type {', '.join(FAMILIES)}; this store's is {family!r}: "
-            "run it without --tensor-parallel (layer streaming)."
-        )
+    check_family(config, "run it without --tensor-parallel (layer streaming)")
+    plan = config.base_model_tp_plan
     prefix = model.base_model_prefix + "."
     patterns = [(re.compile(re.escape(prefix + key).replace(r"\*", r"\d+") + "$"), style) for key, style in plan.items()]
     roles: dict[str, str] = {}
@@ -137,8 +142,9 @@ def take(module: str, role: str | None, kind: str, shape: list[int], config, hea
 
 
 def is_exported_block(share: Take, split_dim: int | None, full: list[int], rank: int, size: int) -> bool:
-    """Whether `shardstream shard --tp` wrote exactly this share: one equal block of `full` along
-    `split_dim` (not a fused projection's heads and halves, nor a replicated KV head)."""
+    """Whether a slice of an index written before slices had `ranges` is exactly this share: such an export
+    holds one equal block of `full` along `split_dim` per rank (not a fused projection's heads and halves,
+    nor a replicated KV head), and users' stores may still hold one."""
     if share.dim is None or split_dim is None:
         return share.dim == split_dim
     step = full[split_dim] // size

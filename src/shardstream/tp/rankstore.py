@@ -5,8 +5,9 @@ must lie in files of their own, in the layout a store has: one file per part, ea
 giving the share's shape (quantized shares as codes, see reading.py). Two sources:
 
 - the slices `shardstream shard STORE --tp N` exported (`exported_view`): a Store over the store's
-  own `dense/...` rank files, whose manifest (in memory) lists this rank's slices. Used where every
-  share was exported as this rank's share (slices with `ranges`, or one equal block that is the share).
+  own `dense/...` rank files, whose manifest (in memory) lists this rank's slices (store/sharding.py's
+  `rank_view`, which `Store.load(part, tp_rank=, tp_size=)` reads as well). Used where every share was
+  exported as this rank's share (slices with `ranges`, or, in an older export, one equal block that is the share).
 - otherwise the rank writes its shares once (`rank_folder`), reading only its bytes of the store's part
   files by offset: each part's file written to a temporary name, fsynced, read back against its
   checksum and renamed, the folder's manifest saved after every part, so a killed rank resumes where
@@ -30,7 +31,7 @@ from ..sizes import format_size
 from ..store.manifest import MANIFEST_NAME, FileRecord, Manifest, PartRecord, TensorRecord, load_manifest
 from ..store.partfile import EncodedPart, encode_stored
 from ..store.reader import Store
-from ..store.sharding import INDEX_NAME, SliceRecord, load_index, slice_tensor_record
+from ..store.sharding import INDEX_NAME, SliceRecord, load_index, rank_view
 from ..store.writer import part_file, write_encoded
 from ..stream.weights import WeightMapper
 from .experts import RankExperts
@@ -156,30 +157,16 @@ def _resumable(folder: Path, origin: dict) -> Manifest | None:
 
 
 def exported_view(store: Store, layout: RankLayout, rank: int, size: int) -> Store | None:
-    """A Store over the exported rank files of `shardstream shard --tp size` when they hold exactly this
-    rank's shares, else None (always for an MoE model: exports do not hold a rank's experts)."""
+    """The store's exported slices of `shardstream shard --tp size` for this rank (store/sharding.rank_view)
+    when they hold exactly its shares, else None (always for an MoE model: exports do not hold a rank's experts)."""
     if layout.experts.modules:
         return None
-    shares = layout.shares
     slices = {s.tensor: s for s in load_index(store).slices if s.rank == rank and s.count == size}
     tensors = store.manifest.tensors
     if not all(key in slices and _is_share(slices[key], share, full_shape(tensors[key]), rank, size)
-               for key, share in shares.items()):
+               for key, share in layout.shares.items()):
         return None
-    index = load_index(store)
-    source = store.manifest
-    manifest = Manifest(source=str(store.root), config=source.config, family=source.family,
-                        compression=source.compression, expected_parts=list(source.expected_parts),
-                        aliases=dict(source.aliases), complete=True)
-    for key in shares:
-        record = slices[key]
-        manifest.tensors[key] = slice_tensor_record(record)
-        manifest.files[record.file] = index.files[record.file]
-        part = manifest.parts.setdefault(record.part, PartRecord(files=[record.file], tensors=[], nbytes=0))
-        part.tensors.append(key)
-    for part in manifest.parts.values():
-        part.nbytes = sum(manifest.files[f].size for f in part.files)
-    return Store(store.root, manifest)
+    return rank_view(store, rank, size, layout.shares)
 
 
 def _is_share(record: SliceRecord, share: Take, full: list[int], rank: int, size: int) -> bool:
