@@ -22,6 +22,7 @@ from tiny_models import save_checkpoint
 from shardstream.convert import ConvertReport, convert
 from shardstream.errors import CorruptShard, InvalidOption, SourceNotFound, SourceUnreachable
 from shardstream.front.resolve import default_store_path, ensure_store
+from shardstream.options import ConversionOptions
 from shardstream.switches import CACHE
 
 CLI = [sys.executable, "-m", "shardstream.cli"]
@@ -47,9 +48,9 @@ def two_models(tmp_path_factory) -> Path:
 def test_cache_is_keyed_by_the_resolved_folder(two_models, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     monkeypatch.chdir(two_models)
-    first = ensure_store("./src3", None, progress=False)
+    first = ensure_store("./src3", progress=False)
     monkeypatch.chdir(two_models / "other")
-    second = ensure_store("./src3", None, progress=False)
+    second = ensure_store("./src3", progress=False)
     assert first.root != second.root
     assert first.manifest.source == str(two_models / "src3")
     assert second.manifest.source == str(two_models / "other" / "src3")
@@ -61,25 +62,26 @@ def test_changed_source_is_converted_again_in_the_cache_and_refused_elsewhere(tm
     monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     src = tmp_path / "src"
     save_checkpoint("llama", src, seed=0)
-    before = store_tensors(ensure_store(src, None, progress=False).root)
+    before = store_tensors(ensure_store(src, progress=False).root)
     named = tmp_path / "named"
     convert(src, named, progress=False)
     time.sleep(0.01)
     shutil.rmtree(src)
     save_checkpoint("llama", src, seed=1)   # same folder, new weights: new sizes or dates
-    after_store = ensure_store(src, None, progress=False)
+    after_store = ensure_store(src, progress=False)
     after = store_tensors(after_store.root)
     assert any(not before[n].equal(after[n]) for n in before), "a stale cached store was reused"
     assert after_store.root == default_store_path(str(src))
-    for attempt in (lambda: ensure_store(src, named, progress=False), lambda: convert(src, named, progress=False)):
+    for attempt in (lambda: ensure_store(src, ConversionOptions(store_path=named), progress=False),
+                    lambda: convert(src, named, progress=False)):
         with pytest.raises(InvalidOption, match=f"{named} holds a store converted from {src}, and {src} differs"):
             attempt()
 
 
 def test_hub_ids_and_urls_are_keyed_with_their_revision(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE.name, str(tmp_path))
-    assert default_store_path("org/name") != default_store_path("org/name", "v2")
-    assert default_store_path("org/name") == default_store_path("hf://org/name", "main")
+    assert default_store_path("org/name") != default_store_path("org/name", ConversionOptions(revision="v2"))
+    assert default_store_path("org/name") == default_store_path("hf://org/name", ConversionOptions(revision="main"))
     assert default_store_path("http://h/m") == default_store_path("http://h/m/")
 
 
@@ -142,7 +144,7 @@ def test_converting_a_store_says_use_it_directly(src1, tmp_path):
 def test_missing_source_in_the_cache_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
     with pytest.raises(SourceNotFound):
-        ensure_store(tmp_path / "nomodel", None, progress=False)
+        ensure_store(tmp_path / "nomodel", progress=False)
     assert not (tmp_path / "cache").exists()
 
 

@@ -202,17 +202,18 @@ def test_consecutive_modules_of_one_parent_share_a_piece(tmp_path, monkeypatch, 
 
 
 def test_a_batch_engines_model_streams_smaller_pieces(tmp_path, monkeypatch):
-    """`serve` and `generate --prompts-file` open the model with `command_options(batch_size=N)`: for N > 1
-    its pieces are cut at BATCH_PIECE_BYTES (memory for the KV caches), for one sequence at PIECE_BYTES."""
+    """`serve` and `generate --prompts-file` open the model with `command_options(flags, batch_size=N)`: for
+    N > 1 its pieces are cut at BATCH_PIECE_BYTES (memory for the KV caches), for one sequence at PIECE_BYTES."""
     from shardstream.front.cli import command_options, open_model
+    from shardstream.options import ConversionOptions, EngineFlags
 
     _, store = _store(tmp_path)
     monkeypatch.setattr(pieces, "PIECE_BYTES", 1 << 40)
     monkeypatch.setattr(pieces, "BATCH_PIECE_BYTES", SMALL)
     counts = {}
     for batch_size in (1, 4):
-        options = command_options("0", "auto", "cpu", batch_size=batch_size)
-        with open_model(str(store.root), None, options, "cpu", progress=False) as model:
+        options = command_options(EngineFlags(max_resident_memory="0"), batch_size=batch_size)
+        with open_model(str(store.root), ConversionOptions(), options, "cpu", progress=False) as model:
             counts[batch_size] = {len(p) for p in model.pieces.values()}
     assert counts == {1: {3}, 4: {8}}   # piece 0, attention's Linears, the MLP's; or piece 0 and each Linear
 

@@ -20,10 +20,11 @@ import types
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
-__all__ = ["AutoModel", "EngineOptions", "convert", "open_store", "sepweight"]
+__all__ = ["AutoModel", "ConversionOptions", "EngineOptions", "convert", "open_store", "sepweight"]
 
 # public name -> (module, attribute in it; None for the module itself)
-_LAZY = {"AutoModel": (".front.auto", "AutoModel"), "EngineOptions": (".stream", "EngineOptions"), "convert": (".convert", "convert"),
+_LAZY = {"AutoModel": (".front.auto", "AutoModel"), "ConversionOptions": (".options", "ConversionOptions"),
+         "EngineOptions": (".stream", "EngineOptions"), "convert": (".convert", "convert"),
          "open_store": (".store", "open_store"), "sepweight": (".sepweight", None)}
 
 

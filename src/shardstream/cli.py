@@ -11,6 +11,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,10 +20,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import __version__, interrupted, options
+from . import __version__, interrupted
 from .cli_style import Command, Group
 from .errors import InvalidOption, ShardstreamError
-from .options import Compression, HfToken, OldHfToken, Revision, Sequential
+from .option_groups import Part, with_groups
+from .options import ConversionOptions, OldHfToken
 from .sizes import parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
@@ -58,17 +60,15 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 @app.command(cls=Command)
+@with_groups(conversion=Part(ConversionOptions, leave_out=("store_path",)))
 def convert(
     source: Annotated[str, typer.Argument(help="Local folder, HTTP(S) base URL, or Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output store folder.")],
-    sequential: Sequential = False,
-    compression: Compression = "none",
+    conversion: ConversionOptions = ConversionOptions(),
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
     min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
     layer_memory_warning: Annotated[Optional[str], typer.Option(help="With --compression, warn when a layer to quantize (held in memory to do so) exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
-    hf_token: HfToken = None,
-    revision: Revision = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each shard and part.")] = False,
     token: OldHfToken = None,
@@ -80,13 +80,12 @@ def convert(
     with interrupted.rerun_continues():
         report = run_convert(
             source, out,
-            sequential_shard_processing=sequential,
-            compression=options.compression(compression),
+            conversion=replace(conversion, hf_token=token or conversion.hf_token),
             delete_original=delete_original,
             profiling_mode=profile,
             min_free_space=parse_size(min_free_space, "--min-free-space"),
             layer_memory_warning=parse_size(layer_memory_warning, "--layer-memory-warning") if layer_memory_warning else None,
-            token=token or hf_token, revision=revision, progress=not no_progress,
+            progress=not no_progress,
         )
     console.print(report.summary(), soft_wrap=True, highlight=False)
 

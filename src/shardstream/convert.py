@@ -27,6 +27,7 @@ from .convert_disk import check_disk, compression_ratio, disk_room
 from .convert_writes import PartProfile, WritePipeline
 from .errors import CorruptShard, InvalidOption, SourceNotFound
 from .naming import TensorRouter, router_for
+from .options import ConversionOptions, conversion_options
 from .safetensors_header import Header, HeaderError, read_header
 from .sources import CheckpointSource, LocalSource, open_source
 from .sources.base import same_source
@@ -40,7 +41,6 @@ from .store.span import FileSpan, SourceFile
 
 log = logging.getLogger("shardstream.convert")
 
-COMPRESSIONS = (None, "4bit", "8bit", "int4")
 DEFAULT_MIN_FREE_BYTES = 1_000_000_000
 STAGING_DIR = ".staging"
 PROFILE_FILE = "convert_profile.json"
@@ -123,20 +123,25 @@ def convert(
     token: str | None = None,
     revision: str | None = None,
     progress: bool = True,
+    conversion: ConversionOptions | None = None,
 ) -> ConvertReport:
     """Convert `source` (local folder, HTTP base URL or Hub id) into the store at `out`.
 
     Re-running the same call after an interruption finishes the job; parts already written and
     intact are skipped. See README "Sequential conversion" for what gets deleted when.
+    `conversion`: `sequential_shard_processing`, `compression`, `token` and `revision` as one
+    ConversionOptions value, given instead of one by one (its store_path, if any, is `out`).
     """
-    if compression not in COMPRESSIONS:
-        raise InvalidOption(f"compression must be one of 4bit, 8bit, int4 or None, not {compression!r}.")
+    conversion = conversion_options(conversion, ConversionOptions(
+        sequential=sequential_shard_processing, compression=compression, hf_token=token, revision=revision))
     started = time.perf_counter()
     out = Path(out)
+    _refuse_other_store_path(conversion, out)
     _refuse_store_as_source(source)
     _refuse_unusable_output(out)
     # validate first, create last: nothing is written until the source has answered
-    src = open_source(source, out / STAGING_DIR, token=token, revision=revision, progress=progress)
+    src = open_source(source, out / STAGING_DIR, token=conversion.hf_token, revision=conversion.revision,
+                      progress=progress)
     config = src.config()
     plan = make_plan(config, src.weight_map())
     check_config(config, plan.router, src.tensor_shape)
@@ -145,15 +150,15 @@ def convert(
     where, fingerprint = src.identity()
     fresh = Manifest(
         source=where, source_fingerprint=fingerprint, config=config, family=plan.router.family,
-        compression=compression, expected_parts=plan.expected_parts,
+        compression=conversion.compression, expected_parts=plan.expected_parts,
     )
     _refuse_other_contents(out, where, fingerprint)   # before the lock file: a folder not ours is left as it is
     with _locked_output(out):
         writer = StoreWriter.open(out, fresh)
-        job = _Job(src, plan, writer, sequential_shard_processing,
+        job = _Job(src, plan, writer, conversion,
                    layer_memory_warning or _default_layer_warning(), progress)
         _refuse_unrepairable(src, out, job.shards_to_read(), writer.manifest)
-        check_disk(src, out, compression, job.shards_to_read(), sequential_shard_processing, min_free_space)
+        check_disk(src, out, conversion, job.shards_to_read(), min_free_space)
         writer.begin()   # from now on the folder is recognisably an (unfinished) store
         src.copy_metadata(out)
         job.run()
@@ -173,6 +178,14 @@ def convert(
         print(profile_table(report))
     log.info(report.summary())
     return report
+
+
+def _refuse_other_store_path(conversion: ConversionOptions, out: Path) -> None:
+    """A `conversion` that names another store than `out` says two things; neither is picked."""
+    named = conversion.store_path
+    if named is not None and Path(named).expanduser().resolve() != out.expanduser().resolve():
+        raise InvalidOption(f"conversion.store_path is {named} but the store to convert into is "
+                            f"{out}; leave store_path out of `conversion`, or give it as `out`.")
 
 
 def _refuse_store_as_source(source: str | Path) -> None:
@@ -263,10 +276,10 @@ class _Job:
     writes are durable.
     """
 
-    def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, sequential: bool,
+    def __init__(self, src: CheckpointSource, plan: Plan, writer: StoreWriter, conversion: ConversionOptions,
                  layer_warning: int, progress: bool):
         self.src, self.plan, self.writer = src, plan, writer
-        self.sequential = sequential
+        self.conversion = conversion   # the store's compression (StoreWriter.open refuses another) and mode
         self.layer_warning = layer_warning
         self.progress = progress
         self.buffer: dict[str, dict[str, FileSpan]] = defaultdict(dict)
@@ -287,24 +300,24 @@ class _Job:
         shards = self.src.shard_names()
         todo = self.shards_to_read()
         for shard in shards:
-            if shard not in todo and self.sequential:
+            if shard not in todo and self.conversion.sequential:
                 self.src.release(shard, delete=True)   # processed by an interrupted run
         # drawn only on a terminal, and closed before an error is printed (never redrawn after it)
         with tqdm(total=len(todo), unit="shard", disable=None if self.progress else True, desc="convert") as bar:
-            if not self.sequential:
+            if not self.conversion.sequential:
                 fetched = {s: self._fetch(s) for s in todo}
             for i, shard in enumerate(todo):
                 index = shards.index(shard)   # piece files are named by it: the same after a resume
-                if self.sequential:
+                if self.conversion.sequential:
                     self._check_disk(todo[i:], todo[i - 1] if i else None)
-                path, wait = fetched[shard] if not self.sequential else self._fetch(shard)
+                path, wait = fetched[shard] if not self.conversion.sequential else self._fetch(shard)
                 self._process(shard, path, wait, index, last=shard == todo[-1])
-                if self.sequential:
+                if self.conversion.sequential:
                     self.writes.release_when_written(shard, self._delete, wait=isinstance(self.src, RemoteSource))
                 bar.update(1)
         self._safeguard()
         self.writes.drain()
-        if not self.sequential:
+        if not self.conversion.sequential:
             for shard in todo:
                 self.src.release(shard, delete=False)
 
@@ -329,12 +342,12 @@ class _Job:
         are deleted on the release thread once their output is written, the `previous` one's maybe not
         yet; where the room left does not hold its output beside the next shard's (a source on the same
         disk, with room for one shard's output), this waits for their deletion first."""
-        compression = self.writer.manifest.compression
-        free, needed = disk_room(self.src, self.writer.root, compression, todo, sequential=True)
-        unwritten = int((self.src.shard_size(previous) or 0) * compression_ratio(compression)) if previous else 0
+        free, needed = disk_room(self.src, self.writer.root, self.conversion, todo)
+        ratio = compression_ratio(self.conversion.compression)
+        unwritten = int((self.src.shard_size(previous) or 0) * ratio) if previous else 0
         if free < needed + unwritten:
             self.writes.wait_for_releases()
-        check_disk(self.src, self.writer.root, compression, todo, sequential=True)
+        check_disk(self.src, self.writer.root, self.conversion, todo)
 
     def _fetch(self, shard: str) -> tuple[Path, float]:
         started = time.perf_counter()
@@ -351,7 +364,7 @@ class _Job:
         wanted = self._wanted(shard)
         touched: list[str] = []
         source = SourceFile(path)
-        if self.sequential:
+        if self.conversion.sequential:
             self.opened[shard] = source
         for span in _spans(source, header, wanted):
             part = self.plan.part_of[span.name]
@@ -362,7 +375,7 @@ class _Job:
             self._warn_if_large(part)
             if self._complete(part):   # written while the rest of the shard is read
                 self._submit(part, piece=index if part in self.pieced else None, complete=True)
-        if self.sequential and not last:
+        if self.conversion.sequential and not last:
             for part in sorted(self.buffer, key=self.plan.expected_parts.index):
                 self._submit(part, piece=index, complete=False)
         log.info("processed shard %s", shard)

@@ -14,6 +14,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import quant
 from .errors import DiskSpaceError
@@ -22,16 +23,20 @@ from .sources import CheckpointSource, LocalSource
 from .sources.remote import RemoteSource
 from .store import MANIFEST_NAME
 
+if TYPE_CHECKING:
+    from .options import ConversionOptions
+
 SLACK = 65536   # folders and the temp file beside each rename
 
 
-def check_disk(src: CheckpointSource, root: Path, compression: str | None, todo: list[str], sequential: bool,
+def check_disk(src: CheckpointSource, root: Path, conversion: ConversionOptions, todo: list[str],
                min_free_space: int | None = None) -> None:
-    """Raise DiskSpaceError unless the shards in `todo` (in order) can still be converted into `root`;
-    warn when that would leave less than `min_free_space` (checked once, before the first shard)."""
+    """Raise DiskSpaceError unless the shards in `todo` (in order) can still be converted into `root` with
+    `conversion`'s compression and mode; warn when that would leave less than `min_free_space` (checked once,
+    before the first shard)."""
     if not todo:
         return
-    free, needed = disk_room(src, root, compression, todo, sequential)
+    free, needed = disk_room(src, root, conversion, todo)
     if free < needed:
         raise DiskSpaceError(
             f"{root} has {format_size(free)} free but converting the {len(todo)} shard{'s' if len(todo) > 1 else ''} "
@@ -46,19 +51,19 @@ def check_disk(src: CheckpointSource, root: Path, compression: str | None, todo:
         )
 
 
-def disk_room(src: CheckpointSource, root: Path, compression: str | None, todo: list[str],
-              sequential: bool) -> tuple[int, int]:
-    """(bytes free on the disk of `root`, bytes converting the shards in `todo` still needs there)."""
+def disk_room(src: CheckpointSource, root: Path, conversion: ConversionOptions, todo: list[str]) -> tuple[int, int]:
+    """(bytes free on the disk of `root`, bytes converting the shards in `todo` with `conversion` still
+    needs there)."""
     free = shutil.disk_usage(root).free
     sizes = [src.shard_size(s) or 0 for s in todo]
-    ratio = compression_ratio(compression)
+    ratio = compression_ratio(conversion.compression)
     manifest = root / MANIFEST_NAME
     overhead = 2 * (manifest.stat().st_size if manifest.exists() else 0) + SLACK   # manifest rewritten beside itself
     output = int(sum(sizes) * ratio)
     downloads = 0
     if isinstance(src, RemoteSource):
-        downloads = max(sizes) if sequential else sum(sizes)   # one staged shard at a time, or all first
-    elif sequential and isinstance(src, LocalSource) and _same_disk(src.root, root):
+        downloads = max(sizes) if conversion.sequential else sum(sizes)   # one staged shard at a time, or all first
+    elif conversion.sequential and isinstance(src, LocalSource) and _same_disk(src.root, root):
         output = int(sizes[0] * ratio)   # the shards deleted on the way free the room for the rest
     return free, output + downloads + overhead
 

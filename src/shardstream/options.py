@@ -4,13 +4,15 @@
 checkpoint rather than a store), so they take the same conversion options under the same names;
 README.md "Options shared by every command" lists them. `--token` is the pipeline's shared secret
 (`agent`, `coordinator`); the Hub token is `--hf-token` in every command that downloads. `generate`
-and `coordinator --generate` sample a prompt with the same sampling options.
+and `coordinator --generate` sample a prompt with the same sampling options. Each of these families is
+an option group (option_groups.py): the flags are its fields, and a command takes it as one value.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -21,21 +23,8 @@ from .sizes import parse_size
 
 COMPRESSIONS = ("none", "4bit", "8bit", "int4")
 
-Compression = Annotated[str, typer.Option(
-    help="When converting: store weights as none, 4bit (NF4), 8bit (blockwise) or int4 (4-bit integers, "
-         "multiplied in the CPU's integer dot products: faster there, not bit-compatible with NF4).")]
-Sequential = Annotated[bool, typer.Option(
-    "--sequential", help="When converting: one shard at a time; deletes each source shard after use.")]
-Revision = Annotated[Optional[str], typer.Option(
-    help="When converting from the Hub: the branch, tag or commit.", show_default="the default branch")]
-HfToken = Annotated[Optional[str], typer.Option(
-    "--hf-token", envvar="HF_TOKEN", show_envvar=True,
-    help="When converting from the Hub: a token for private or gated repos.")]
 # --token: convert's Hub token under its older name, accepted there unlisted so that existing scripts keep working
 OldHfToken = Annotated[Optional[str], typer.Option("--token", hidden=True)]
-StorePath = Annotated[Optional[str], typer.Option(
-    "--store-path", help="When converting: the store folder to convert into (default: a folder in "
-                         "~/.cache/shardstream or $SHARDSTREAM_CACHE).")]
 TpCache = Annotated[Optional[str], typer.Option(
     help="With --tensor-parallel: the folder each rank writes its shares to when the store has no "
          "`shard --tp N` export (default: STORE/tp).")]
@@ -47,12 +36,14 @@ def refuse_tp_cache(tp_cache: str | None) -> None:
         raise InvalidOption("--tp-cache goes with --tensor-parallel; leave it out.")
 
 
-def compression(text: str) -> str | None:
-    """The --compression value as convert() takes it (None for none)."""
-    value = text.lower()
-    if value not in COMPRESSIONS:
-        raise InvalidOption(f"--compression must be one of {', '.join(COMPRESSIONS)}, not {text!r}.")
-    return None if value == "none" else value
+def compression(text: str | None, name: str = "--compression") -> str | None:
+    """A compression as convert() takes it: None for none (given as None or "none"), else its name in
+    lower case; anything else is refused, naming the option `name`."""
+    if text is None:
+        return None
+    if not isinstance(text, str) or text.lower() not in COMPRESSIONS:
+        raise InvalidOption(f"{name} must be one of {', '.join(COMPRESSIONS)}, not {text!r}.")
+    return None if text.lower() == "none" else text.lower()
 
 
 def model_id(source: str) -> str:
@@ -65,6 +56,12 @@ def model_id(source: str) -> str:
         return trimmed.rsplit("/", 1)[-1]
     path = Path(trimmed).expanduser()
     return path.resolve().name if path.exists() or trimmed.startswith((".", "/", "~")) else trimmed
+
+
+def model_names(given: list[str] | None, source: str) -> list[str]:
+    """The model ids of `--model-name` (repeated, or comma lists), the first the one reported; `source`'s
+    model_id when none is given."""
+    return [name.strip() for value in (given or [model_id(source)]) for name in value.split(",") if name.strip()]
 
 
 # Checks of option values, given to typer.Option as its `callback`: they run while the command line is
@@ -109,11 +106,95 @@ def _checked(ok: Callable[[object], bool], accepted: str) -> Callable:
     return check
 
 
-# The sampling of a prompt given on the command line (`generate --prompt`, `coordinator --generate`);
-# an API request gives its own.
-MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate (per prompt).", callback=whole_number(1))]
-Temperature = Annotated[float, typer.Option(help="0 = greedy; above 0 samples.", callback=real_number(0))]
-TopP = Annotated[float, typer.Option(help="Nucleus sampling mass.", callback=real_number(0, 1, above=True))]
-TopK = Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.", callback=whole_number(0))]
-Seed = Annotated[Optional[int], typer.Option(help="Seed for sampling.", callback=whole_number(-2**63, 2**64 - 1))]
-Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="End at this text, left out of the output; repeatable.")]
+def _compression_option(param: typer.CallbackParam, value: str | None) -> str | None:
+    """--compression as it is parsed: normalized, or refused naming the option (an InvalidOption, exit code
+    1, as when convert() refuses it)."""
+    return compression(value, param.opts[0])
+
+
+# Option groups (option_groups.py): each flag is declared once, as a field of the group that the commands
+# taking it share; a command takes the group as one parameter, typer sees its fields.
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    """How a checkpoint becomes a store: the store's folder, and the options of `shardstream convert` that
+    `generate`, `serve` and `AutoModel.from_pretrained` take to convert a checkpoint they are given (a store
+    is used as it is). One value, checked when made: `compression` is None for none ("none" is taken too).
+    Its fields are also the commands' flags."""
+
+    store_path: Annotated[Optional[str], typer.Option(
+        "--store-path", help="When converting: the store folder to convert into (default: a folder in "
+                             "~/.cache/shardstream or $SHARDSTREAM_CACHE).")] = None
+    sequential: Annotated[bool, typer.Option(
+        "--sequential", help="When converting: one shard at a time; deletes each source shard after use.")] = False
+    compression: Annotated[Optional[str], typer.Option(
+        help="When converting: store weights as none, 4bit (NF4), 8bit (blockwise) or int4 (4-bit integers, "
+             "multiplied in the CPU's integer dot products: faster there, not bit-compatible with NF4).",
+        callback=_compression_option)] = "none"
+    revision: Annotated[Optional[str], typer.Option(
+        help="When converting from the Hub: the branch, tag or commit.", show_default="the default branch")] = None
+    hf_token: Annotated[Optional[str], typer.Option(
+        "--hf-token", envvar="HF_TOKEN", show_envvar=True,
+        help="When converting from the Hub: a token for private or gated repos.")] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", compression(self.compression, "compression"))
+
+
+def conversion_options(conversion: ConversionOptions | None, given: ConversionOptions) -> ConversionOptions:
+    """`conversion`, or the options given one by one (`given`, the keywords' value); both are refused."""
+    if conversion is None:
+        return given
+    if given != ConversionOptions():
+        raise InvalidOption("give the conversion's options as `conversion` or one by one, not both.")
+    return conversion
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The streaming engine's flags as typed (`generate`; `serve` all but --profile; a pipeline agent only
+    --compute-dtype), made into one EngineOptions by front/cli.py `command_options`."""
+
+    max_resident_memory: Annotated[str, typer.Option(
+        help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.",
+        callback=size(auto=True))] = "auto"
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu"
+    max_host_memory: Annotated[str, typer.Option(
+        help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after their first read, "
+             "so a token only copies them to the GPU: auto (half the RAM available), 0 (read them every token) "
+             "or a size like 16GB.", callback=size(auto=True))] = "auto"
+    compute_dtype: Annotated[str, typer.Option(
+        help="Dtype the model computes in: auto (the checkpoint's where the device multiplies it fast, else "
+             "float32; stderr says which and why), float32, bfloat16 or float16.")] = "auto"
+    experts: Annotated[str, typer.Option(
+        help="MoE experts: with-block (read with their block) or on-demand (only those the router picks; the "
+             "store's experts placed apart first: `shardstream shard STORE --experts`).")] = "with-block"
+    profile: Annotated[bool, typer.Option(
+        "--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling of a prompt given on the command line (`generate --prompt`, `coordinator --generate`);
+    an API request gives its own."""
+
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (per prompt).",
+                                                callback=whole_number(1))] = 50
+    temperature: Annotated[float, typer.Option(help="0 = greedy; above 0 samples.", callback=real_number(0))] = 0.0
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.", callback=real_number(0, 1, above=True))] = 1.0
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens; 0 = no limit.",
+                                       callback=whole_number(0))] = 0
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.",
+                                                callback=whole_number(-2**63, 2**64 - 1))] = None
+    stop: Annotated[Optional[list[str]], typer.Option(
+        "--stop", help="End at this text, left out of the output; repeatable.")] = None
+
+    def keywords(self) -> dict:
+        """serving/text.py generate_one's sampling keywords."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, stops=list(self.stop or []))
+
+    def request_defaults(self) -> dict:
+        """The sampling of each line of a prompts file that does not give its own (serving/offline.py)."""
+        return dict(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, stop=list(self.stop or []))

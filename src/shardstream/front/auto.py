@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..errors import InvalidOption
+from ..options import ConversionOptions, conversion_options
 from ..store import Store
 from .airllm_compat import hub_token, refuse_training_switches
 from ..stream.engine_options import EngineOptions
@@ -48,6 +49,7 @@ class AutoModel:
         tensor_parallel: bool = False,
         tp_cache: str | os.PathLike | None = None,
         options: EngineOptions | None = None,
+        conversion: ConversionOptions | None = None,
     ) -> StreamingModel:
         """Open (or first convert into) the store, then build the streaming model over it.
 
@@ -77,7 +79,9 @@ class AutoModel:
         half_linear.py); 'float32', 'bfloat16', 'float16' or a torch dtype force one. `dtype`
         (AirLLM's name) is the same option and wins when given.
         `options`: the engine's options (compute dtype to profiling above) as one EngineOptions value, given
-        instead of one by one.
+        instead of one by one. `conversion`: the store's folder and the converter's options
+        (`layer_shards_saving_path`, `sequential_shard_processing`, `compression`, `token`, `revision`) as one
+        ConversionOptions value, likewise.
         """
         token = hub_token(token, hf_token)
         refuse_training_switches(install_hooks, load_resident)
@@ -90,14 +94,13 @@ class AutoModel:
         if options is not None and given != EngineOptions():
             raise InvalidOption("give the engine's options as `options` or one by one, not both.")
         options = options or given
+        conversion = conversion_options(conversion, ConversionOptions(
+            store_path=layer_shards_saving_path, sequential=sequential_shard_processing, compression=compression,
+            revision=revision, hf_token=token))
 
         def open_store() -> Store:
-            return ensure_store(
-                pretrained_model_name_or_path, layer_shards_saving_path,
-                sequential_shard_processing=sequential_shard_processing, compression=compression,
-                delete_original=delete_original, profiling_mode=options.profiling_mode,
-                token=token, revision=revision, progress=progress,
-            )
+            return ensure_store(pretrained_model_name_or_path, conversion, delete_original=delete_original,
+                                profiling_mode=options.profiling_mode, progress=progress)
 
         if tensor_parallel:
             from ..tp.model import open_tensor_parallel

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DraftMismatch, InvalidOption
-from .cli import Converting, open_model
+from ..options import ConversionOptions
+from .cli import open_model
 from ..stream.engine_options import EngineOptions
 from ..stream.model import StreamingModel
 from ..serving.text import load_tokenizer
@@ -22,11 +23,12 @@ STREAMED_DRAFT_TOKENS = 8   # against the adaptive schedule: benchmarks/stream.p
 
 
 def open_draft(source: str, device: str, draft_tokens: int | None, progress: bool,
-               target: StreamingModel | None = None, converting: Converting | None = None) -> StreamingModel:
+               target: StreamingModel | None = None,
+               conversion: ConversionOptions = ConversionOptions()) -> StreamingModel:
     """The draft is small: 'auto' keeps all of its blocks in memory when they fit. It is opened with the
-    target's options: its compute dtype and checksums (its memory budgets are its own), and `converting`'s
-    token, compression and --sequential when it is a checkpoint or a Hub id (not its revision, which names
-    one of the model's).
+    target's options: its compute dtype and checksums (its memory budgets are its own), and `conversion`'s
+    token, compression and --sequential when it is a checkpoint or a Hub id (not its store folder nor its
+    revision, which name the model's).
 
     `draft_tokens` N = always propose N. None: when the target streams blocks, every pass costs a
     read of them, which a longer guess shares, so a fixed STREAMED_DRAFT_TOKENS; when all its blocks
@@ -36,10 +38,10 @@ def open_draft(source: str, device: str, draft_tokens: int | None, progress: boo
         raise InvalidOption(f"--draft-tokens must be at least 1, not {draft_tokens}.")
     if draft_tokens is None and target is not None and streams_blocks(target):
         draft_tokens = STREAMED_DRAFT_TOKENS
-    converting = converting or Converting()
     given = target.options if target is not None else EngineOptions()
     engine = EngineOptions(compute_dtype=given.compute_dtype, verify_checksums=given.verify_checksums)
-    draft = open_model(source, None, engine, device, progress, replace(converting, revision=None), role="draft")
+    draft = open_model(source, replace(conversion, store_path=None, revision=None), engine, device, progress,
+                       role="draft")
     config = draft.generation_config
     config.num_assistant_tokens = draft_tokens or 5
     config.num_assistant_tokens_schedule = "constant" if draft_tokens else "heuristic"

@@ -3,30 +3,26 @@ in batches into a JSON-lines file; optionally with a draft model for speculative
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ..errors import InvalidOption
-from ..options import (Compression, HfToken, MaxNewTokens, Revision, Seed, Sequential, Stop, StorePath, Temperature,
-                       TopK, TopP, TpCache, refuse_tp_cache, whole_number)
-from .cli import (ComputeDtype, Converting, Device, Experts, HostMemory, Resident, Source, command_options, open_model,
-                  refuse_experts_with_tp)
+from ..option_groups import with_groups
+from ..options import ConversionOptions, EngineFlags, Sampling, TpCache, refuse_tp_cache, whole_number
+from .cli import Source, command_options, open_model, refuse_experts_with_tp
 
 if TYPE_CHECKING:
     from ..stream.engine_options import EngineOptions
 
 
+@with_groups(sampling=Sampling, engine=EngineFlags, conversion=ConversionOptions)
 def generate_command(
     source: Source,
     prompt: Annotated[Optional[str], typer.Option(help="Text to continue.")] = None,
-    max_new_tokens: MaxNewTokens = 50,
-    temperature: Temperature = 0.0,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
-    seed: Seed = None,
-    stop: Stop = None,
+    sampling: Sampling = Sampling(),
     draft: Annotated[Optional[str], typer.Option(help="Draft model for speculative decoding: store, checkpoint folder or Hub id, opened with this model's --compute-dtype, --hf-token, --compression and --sequential.")] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Tokens the draft proposes per target pass (default: 8 when the model streams blocks, else adaptive).",
                                                         callback=whole_number(1))] = None,
@@ -34,36 +30,24 @@ def generate_command(
     output: Annotated[Optional[Path], typer.Option(help="JSON-lines answers of --prompts-file; a rerun resumes it.")] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together with --prompts-file.",
                                             callback=whole_number(1))] = 64,
-    max_resident_memory: Resident = "auto",
-    device: Device = "cpu",
-    max_host_memory: HostMemory = "auto",
-    compute_dtype: ComputeDtype = "auto",
-    experts: Experts = "with-block",
-    store_path: StorePath = None,
-    sequential: Sequential = False,
-    compression: Compression = "none",
-    revision: Revision = None,
-    hf_token: HfToken = None,
-    profile: Annotated[bool, typer.Option("--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False,
+    engine: EngineFlags = EngineFlags(),
+    conversion: ConversionOptions = ConversionOptions(),
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     tensor_parallel: Annotated[bool, typer.Option("--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md); rank 0 prints.")] = False,
     tp_cache: TpCache = None,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
-    stops = list(stop or [])
-    converting = Converting(sequential, compression, revision, hf_token)
     if tensor_parallel:
         from .tp_generate import generate_tp, refuse_unsupported
 
         _check_utf8(prompt or "")
-        refuse_experts_with_tp(experts)
-        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": profile or None}
+        refuse_experts_with_tp(engine)
+        given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": engine.profile or None}
         refuse_unsupported([name for name, value in given.items() if value is not None])
         if prompt is None:
             raise InvalidOption("--tensor-parallel answers one --prompt; give --prompt TEXT.")
-        engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # one sequence
-        generate_tp(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, device, store_path,
-                    not no_progress, engine, converting, tp_cache)
+        options = command_options(engine)   # one sequence
+        generate_tp(source, prompt, sampling, engine.device, not no_progress, options, conversion, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if (prompt is None) == (prompts_file is None):
@@ -78,19 +62,18 @@ def generate_command(
         from ..serving.offline import answer_file, pending
 
         prompts, done = pending(prompts_file, output, batch_size)
-        engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts,
-                                 batch_size=min(batch_size, max(1, len(prompts) - done)))
-        with rerun_continues(), open_model(source, store_path, engine, device, not no_progress, converting) as model:
-            answer_file(model, prompts_file, prompts, done, output, batch_size, dict(
-                max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stops),
-                seed, not no_progress)
+        # the batches end with a line of throughput, not a per-block table per step (offline.answer_file)
+        options = command_options(replace(engine, profile=False),
+                                  batch_size=min(batch_size, max(1, len(prompts) - done)))
+        with rerun_continues(), open_model(source, conversion, options, engine.device, not no_progress) as model:
+            answer_file(model, prompts_file, prompts, done, output, batch_size, sampling.request_defaults(),
+                        sampling.seed, not no_progress)
         return
     if output is not None:
         raise InvalidOption("--output goes with --prompts-file; with --prompt the text is printed.")
     _check_utf8(prompt)
-    engine = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts, profile)
-    _one_prompt(source, prompt, max_new_tokens, temperature, top_p, top_k, seed, stops, draft, draft_tokens,
-                engine, device, store_path, not no_progress, converting)
+    _one_prompt(source, prompt, sampling, draft, draft_tokens, command_options(engine), engine.device,
+                not no_progress, conversion)
 
 
 def _check_utf8(prompt: str) -> None:
@@ -103,10 +86,8 @@ def _check_utf8(prompt: str) -> None:
                             "give the prompt in UTF-8, or convert it first (iconv -t UTF-8).") from None
 
 
-def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                seed: int | None, stops: list[str], draft: str | None, draft_tokens: int | None,
-                engine: EngineOptions, device: str, store_path: str | None, progress: bool,
-                converting: Converting) -> None:
+def _one_prompt(source: str, prompt: str, sampling: Sampling, draft: str | None, draft_tokens: int | None,
+                engine: EngineOptions, device: str, progress: bool, conversion: ConversionOptions) -> None:
     import sys
     from contextlib import ExitStack
 
@@ -114,15 +95,14 @@ def _one_prompt(source: str, prompt: str, max_new_tokens: int, temperature: floa
     from ..serving.text import generate_one, load_tokenizer
 
     with ExitStack() as stack:
-        model = stack.enter_context(open_model(source, store_path, engine, device, progress, converting))
+        model = stack.enter_context(open_model(source, conversion, engine, device, progress))
         tokenizer = load_tokenizer(model)
 
         def assisted() -> dict:
-            draft_model = stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, converting))
+            draft_model = stack.enter_context(open_draft(draft, device, draft_tokens, progress, model, conversion))
             return draft_options(tokenizer, model, draft_model)
 
-        new = generate_one(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed, stops=stops,
+        new = generate_one(model, tokenizer, prompt, **sampling.keywords(),
                            more_options=assisted if draft is not None else None)
         if engine.profiling_mode:
             print(PassReport(new.shape[1], model.forward_passes).line(), file=sys.stderr)

@@ -14,11 +14,13 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from ..convert import check_same_source, convert
 from ..interrupted import rerun_continues
 from ..errors import InvalidOption, StoreIncomplete
+from ..options import ConversionOptions
 from ..switches import CACHE
 from ..sources import HUB_ID, LocalSource
 from ..store import MANIFEST_NAME, Manifest, Store, load_manifest, open_store
@@ -27,50 +29,50 @@ from ..tp.rankstore import rank_share
 log = logging.getLogger("shardstream.resolve")
 
 
-def source_key(source: str, revision: str | None = None) -> str:
-    """A folder's resolved absolute path, a URL as given, or `hf://id@revision`."""
+def source_key(source: str, conversion: ConversionOptions = ConversionOptions()) -> str:
+    """A folder's resolved absolute path, a URL as given, or `hf://id@revision` (the conversion's)."""
     if source.startswith(("http://", "https://")):
         return source.rstrip("/") + "/"
     path = Path(source).expanduser()
     hub_id = source.removeprefix("hf://")
     if source.startswith("hf://") or (not path.exists() and HUB_ID.fullmatch(hub_id)):
-        return f"hf://{hub_id}@{revision or 'main'}"
+        return f"hf://{hub_id}@{conversion.revision or 'main'}"
     return str(path.resolve())
 
 
-def default_store_path(source: str, revision: str | None = None, compression: str | None = None) -> Path:
+def default_store_path(source: str, conversion: ConversionOptions = ConversionOptions()) -> Path:
     """~/.cache/shardstream/<name>[-<compression>]-<hash of the source key and compression> (or under
     $SHARDSTREAM_CACHE); an uncompressed store's key leaves compression out, so that stores already
     converted into the cache keep their path."""
     base = Path(CACHE.get() or Path.home() / ".cache" / "shardstream")
-    key = source_key(str(source), revision)
+    key = source_key(str(source), conversion)
     name = re.sub(r"[^A-Za-z0-9._-]+", "--", key.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
-    if compression:
-        key, name = f"{key}#{compression}", f"{name}-{compression}"
+    if conversion.compression:
+        key, name = f"{key}#{conversion.compression}", f"{name}-{conversion.compression}"
     return base / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None, **convert_options) -> Store:
-    """Open the store, converting `source` into it first when it is missing or unfinished.
+def ensure_store(source: str | os.PathLike, conversion: ConversionOptions = ConversionOptions(),
+                 **convert_options) -> Store:
+    """Open the store (`conversion.store_path`, else the cache's), converting `source` into it first with
+    `conversion` (and convert()'s `convert_options`) when it is missing or unfinished.
 
     `source` may itself be a store folder; an unfinished one is finished from the source its
     manifest records, with the compression it records unless another is asked for.
     """
     source = str(source)
+    store_path = conversion.store_path
     given_store = (Path(source) / MANIFEST_NAME).is_file() and (
         store_path is None or Path(store_path).expanduser().resolve() == Path(source).expanduser().resolve())
     if given_store:
-        store_path = source
         manifest = load_manifest(Path(source))
         _refuse_rank_share(source, manifest)
+        conversion = replace(conversion, store_path=source, compression=conversion.compression or manifest.compression)
         source = manifest.source or source
-        if convert_options.get("compression") is None:
-            convert_options["compression"] = manifest.compression
-    cached = store_path is None
-    compression = convert_options.get("compression")
-    path = default_store_path(source, convert_options.get("revision"), compression) if cached else Path(store_path)
+    cached = conversion.store_path is None
+    path = default_store_path(source, conversion) if cached else Path(conversion.store_path)
     if (path / MANIFEST_NAME).is_file() and not cached:
-        _check_compression(path, compression)
+        _check_compression(path, conversion.compression)
     if (path / MANIFEST_NAME).is_file() and not given_store:
         _check_recorded_source(path, source, cached)
     try:
@@ -79,7 +81,7 @@ def ensure_store(source: str | os.PathLike, store_path: str | os.PathLike | None
         if Path(source).resolve() == path.resolve():
             raise
     with rerun_continues():   # a Ctrl-C now leaves a conversion that the same command continues
-        convert(source, path, **convert_options)
+        convert(source, path, conversion=conversion, **convert_options)
     return open_store(path)
 
 

@@ -15,19 +15,25 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InvalidOption, ServerStopping
-from ..options import (Compression, HfToken, Revision, Sequential, StorePath, TpCache, model_id, real_number,
-                       refuse_tp_cache, size, whole_number)
+from ..option_groups import Part, with_groups
+from ..options import (ConversionOptions, EngineFlags, TpCache, model_names, real_number, refuse_tp_cache, size,
+                       whole_number)
 from ..sizes import parse_size
 from ..serving.endpoint import (Endpoint, bind, log_batch_bounds, read_template, say, say_resident, server_class,
                                 stop_on_signals)
 from ..switches import API_KEY
-from .cli import (ComputeDtype, Converting, Device, Experts, HostMemory, Source, command_options, open_model,
-                  refuse_experts_with_tp)
+from .cli import Source, command_options, open_model, refuse_experts_with_tp
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
 STOP_S = 10.0          # how long a stop waits for the last replies, then for the engine's step in progress
+# serve's --max-resident-memory is told with what its `auto` leaves to the batch
+RESIDENT = ("Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
+            "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB. With "
+            "--tensor-parallel, each rank's: the CPU ranks of one machine divide its memory for auto.")
 
 
+@with_groups(engine=Part(EngineFlags, leave_out=("profile",), help={"max_resident_memory": RESIDENT}),
+             conversion=ConversionOptions)
 def serve_command(
     source: Source,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -50,20 +56,8 @@ def serve_command(
              "read.", callback=size(zero=False))] = "8MB",
     quiet: Annotated[bool, typer.Option("--quiet", help="No line per request.")] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar while loading.")] = False,
-    max_resident_memory: Annotated[str, typer.Option(
-        help="Bytes of blocks kept in memory: auto (with --max-batch-size above 1, out of a quarter of the share that "
-             "generate's auto takes: the rest is for the batch), 0 (pure streaming) or a size like 2GB. With "
-             "--tensor-parallel, each rank's: the CPU ranks of one machine divide its memory for auto.",
-        callback=size(auto=True))] = "auto",
-    device: Device = "cpu",
-    max_host_memory: HostMemory = "auto",
-    compute_dtype: ComputeDtype = "auto",
-    experts: Experts = "with-block",
-    store_path: StorePath = None,
-    sequential: Sequential = False,
-    compression: Compression = "none",
-    revision: Revision = None,
-    hf_token: HfToken = None,
+    engine: EngineFlags = EngineFlags(),
+    conversion: ConversionOptions = ConversionOptions(),
     tensor_parallel: Annotated[bool, typer.Option(
         "--tensor-parallel", help="Run as one rank of `torchrun --nproc-per-node N` (docs/TENSOR_PARALLEL.md): "
                                   "rank 0 serves, the other ranks bind no port.")] = False,
@@ -74,23 +68,20 @@ def serve_command(
         callback=real_number(0, above=True))] = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
-    names = [name.strip() for value in (model_name or [model_id(source)]) for name in value.split(",") if name.strip()]
-    endpoint = Endpoint(host, port, names, max_batch_size, api_key, read_template(chat_template),
-                        parse_size(max_request_size, "--max-request-size"), quiet)
-    converting = Converting(sequential, compression, revision, hf_token)
+    endpoint = Endpoint(host, port, model_names(model_name, source), max_batch_size, api_key,
+                        read_template(chat_template), parse_size(max_request_size, "--max-request-size"), quiet)
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
-        refuse_experts_with_tp(experts)
+        refuse_experts_with_tp(engine)
         from .tp_serve import serve_tp
 
-        options = command_options(max_resident_memory, max_host_memory, device, compute_dtype)   # for one sequence
-        serve_tp(source, endpoint, device, options, store_path, converting, not no_progress, timeout, tp_cache)
+        options = command_options(engine)   # for one sequence
+        serve_tp(source, endpoint, engine.device, options, conversion, not no_progress, timeout, tp_cache)
         return
     refuse_tp_cache(tp_cache)
     if tp_timeout is not None:
         raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
-    options = command_options(max_resident_memory, max_host_memory, device, compute_dtype, experts,
-                              batch_size=max_batch_size)
+    options = command_options(engine, batch_size=max_batch_size)
     listener = bind(host, port)
     import uvicorn
 
@@ -99,7 +90,7 @@ def serve_command(
     from ..serving.text import eos_ids, load_tokenizer, pad_id
 
     log_batch_bounds()
-    with listener, open_model(source, store_path, options, device, not no_progress, converting) as model:
+    with listener, open_model(source, conversion, options, engine.device, not no_progress) as model:
         say_resident(model)
         tokenizer = load_tokenizer(model)
         engine = BatchEngine(model, eos_token_ids=eos_ids(model, tokenizer), pad_token_id=pad_id(tokenizer),

@@ -23,20 +23,20 @@ from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
-from .cli import Converting
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .tp_generate import open_rank
 from ..tp.group import check_torchrun, join_group
 from ..tp.serving import GroupCalls, error_gist, follow
 
 if TYPE_CHECKING:
+    from ..options import ConversionOptions
     from ..stream.engine_options import EngineOptions
 
 CLOSE_S = 10.0   # how long the last replies and a clean stop may take (the engine's last step, the ranks leaving)
 
 
-def serve_tp(source: str, endpoint: Endpoint, device: str, options: EngineOptions, store_path: str | None,
-             converting: Converting, progress: bool, timeout_s: float, tp_cache: str | None) -> None:
+def serve_tp(source: str, endpoint: Endpoint, device: str, options: EngineOptions, conversion: ConversionOptions,
+             progress: bool, timeout_s: float, tp_cache: str | None) -> None:
     """One rank of `torchrun ... -m shardstream serve STORE --tensor-parallel`, with the command's `options`
     (checked before the ranks join, for one sequence); each rank streams its shares within the memory
     serve's one process takes for the same batches (EngineOptions.for_batch), out of the rank's share of
@@ -46,8 +46,8 @@ def serve_tp(source: str, endpoint: Endpoint, device: str, options: EngineOption
     def open_model():
         rank_device = join_group(device, timedelta(seconds=timeout_s))   # before the model joins it: with this timeout
         # `auto` measured on the rank's own device, as it opens
-        model = open_rank(source, store_path, device, converting, progress,
-                          options.for_batch(endpoint.max_batch_size, rank_device), tp_cache)
+        model = open_rank(source, conversion, device, progress, options.for_batch(endpoint.max_batch_size, rank_device),
+                          tp_cache)
         say_resident(model, f"rank {dist.get_rank()} of {dist.get_world_size()}")
         return model
 

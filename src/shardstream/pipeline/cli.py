@@ -6,20 +6,29 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 from urllib.parse import urlsplit
 
 import typer
 
 from ..errors import InvalidOption
-from ..options import MaxNewTokens, Seed, Stop, Temperature, TopK, TopP, model_id
+from ..option_groups import Part, with_groups
+from ..options import EngineFlags, Sampling, model_names
 from ..switches import API_KEY, TOKEN
+
+if TYPE_CHECKING:
+    from .coordinator import CoordinatorOptions
 
 Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
                                     envvar=TOKEN.name)]
+# an agent's --compute-dtype is told with what `auto` picks on the CPUs agents run on
+AGENT_COMPUTE_DTYPE = ("dtype this agent's stages compute in: auto (bfloat16 where the CPU has bf16 instructions, "
+                       "else float32 products from the stored bf16 bytes), float32, bfloat16 or float16.")
 
 
+@with_groups(engine=Part(EngineFlags, only=("compute_dtype",), help={"compute_dtype": AGENT_COMPUTE_DTYPE}))
 def agent_command(
     name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.")],
     token: Token,
@@ -40,9 +49,7 @@ def agent_command(
     join: Annotated[Optional[str], typer.Option(help="Join the running coordinator at this URL (its --serve-port), "
                                                      "e.g. http://pc.local:8090: it re-plans with this agent (taking it "
                                                      "from any other coordinator) and prints the new plan.")] = None,
-    compute_dtype: Annotated[str, typer.Option(help="dtype this agent's stages compute in: auto (bfloat16 where the CPU "
-                                                    "has bf16 instructions, else float32 products from the stored bf16 "
-                                                    "bytes), float32, bfloat16 or float16.")] = "auto",
+    engine: EngineFlags = EngineFlags(),
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
     import signal
@@ -63,7 +70,7 @@ def agent_command(
     if not token:
         raise InvalidOption(f"--token is empty; give the agent a shared secret (or set {TOKEN.name}).")
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
-    parse_compute_dtype(compute_dtype, "--compute-dtype")
+    parse_compute_dtype(engine.compute_dtype, "--compute-dtype")
     if threads is not None:
         if threads < 1:
             raise InvalidOption(f"--threads must be at least 1, not {threads}.")
@@ -78,7 +85,7 @@ def agent_command(
         data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
     try:
-        agent = Agent(name, token, cache_dir, data_port, limit, EngineOptions(compute_dtype=compute_dtype))
+        agent = Agent(name, token, cache_dir, data_port, limit, EngineOptions(compute_dtype=engine.compute_dtype))
     except zmq.ZMQError as error:
         raise InvalidOption(f"the agent cannot bind its data port {data_port} ({error}); pick another --data-port.") from None
     if limit is not None:
@@ -163,44 +170,71 @@ def _message(response) -> str:
         return response.text[:200]
 
 
+@dataclass(frozen=True)
+class Planning:
+    """How the coordinator plans the model over the agents: coordinator.CoordinatorOptions, as flags."""
+
+    pipeline_order: Annotated[Optional[str], typer.Option(
+        help="Comma-separated agent names in stage order.")] = None
+    mem_fraction: Annotated[float, typer.Option(help="Share of each agent's available RAM the plan may use.")] = 0.5
+    min_prefix: Annotated[int, typer.Option(
+        help="Blocks the first stage (the one with the embeddings) holds at least, on whichever agent it lands: "
+             "agents early in --pipeline-order may still be left out (0: no minimum).")] = 0
+    context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048
+    objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency"
+    probe_bytes: Annotated[int, typer.Option(
+        help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20
+    no_streaming: Annotated[bool, typer.Option(
+        "--no-streaming", help="Refuse when the stages do not fit in the agents' memory, instead of letting agents "
+                               "stream their blocks from disk (priced by each agent's measured disk read "
+                               "speed).")] = False
+    work_dir: Annotated[Path, typer.Option(
+        help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline")
+
+    def options(self) -> CoordinatorOptions:
+        """The coordinator's options these flags give (imported here: coordinator.py loads transformers)."""
+        from .coordinator import CoordinatorOptions
+
+        return CoordinatorOptions(
+            self.work_dir, mem_fraction=self.mem_fraction, context_length=self.context_length,
+            min_prefix=self.min_prefix, objective=self.objective,
+            pipeline_order=self.pipeline_order.split(",") if self.pipeline_order else None,
+            bandwidth_probe_bytes=self.probe_bytes, streaming=not self.no_streaming)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Where and how the coordinator serves the OpenAI API (--serve-port)."""
+
+    serve_port: Annotated[Optional[int], typer.Option(
+        help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None
+    host: Annotated[str, typer.Option(
+        help="Address the coordinator listens on (0.0.0.0: every interface; agents fetch stages from it, so "
+             "remote agents need it exposed).")] = "127.0.0.1"
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar=API_KEY.name, help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
+                                  "but /health and the agents' /stages, which want --token); without it the API "
+                                  "wants --token.")] = None
+    model_name: Annotated[Optional[list[str]], typer.Option(
+        help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list); the first is "
+             "reported by /v1/models. Default: the --model folder's name, as serve names it. Any other id is a "
+             "404 model_not_found.")] = None
+    chat_template: Annotated[Optional[Path], typer.Option(
+        help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "
+             "refused).")] = None
+
+
+@with_groups(planning=Planning, serving=Serving, sampling=Sampling)
 def coordinator_command(
     model: Annotated[Path, typer.Option(help="The store folder (output of `shardstream convert`).")],
     token: Token,
     urls: Annotated[Optional[str], typer.Option(help="Comma-separated agent URLs, e.g. http://pi.local:8008.")] = None,
     discover: Annotated[float, typer.Option(help="Also look for agents by mDNS for this many seconds.")] = 0.0,
-    pipeline_order: Annotated[Optional[str], typer.Option(help="Comma-separated agent names in stage order.")] = None,
-    mem_fraction: Annotated[float, typer.Option(help="Share of each agent's available RAM the plan may use.")] = 0.5,
-    min_prefix: Annotated[int, typer.Option(help="Blocks the first stage (the one with the embeddings) holds at least, "
-                                                 "on whichever agent it lands: agents early in --pipeline-order may "
-                                                 "still be left out (0: no minimum).")] = 0,
-    context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048,
-    objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency",
-    probe_bytes: Annotated[int, typer.Option(help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20,
-    no_streaming: Annotated[bool, typer.Option("--no-streaming", help="Refuse when the stages do not fit in the agents' "
-                                               "memory, instead of letting agents stream their blocks from disk "
-                                               "(priced by each agent's measured disk read speed).")] = False,
+    planning: Planning = Planning(),
     package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
-    work_dir: Annotated[Path, typer.Option(help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline"),
-    serve_port: Annotated[Optional[int], typer.Option(help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None,
-    host: Annotated[str, typer.Option(help="Address the coordinator listens on (0.0.0.0: every interface; agents fetch "
-                                           "stages from it, so remote agents need it exposed).")] = "127.0.0.1",
+    serving: Serving = Serving(),
     generate: Annotated[Optional[str], typer.Option(help="Generate from this prompt (as --max-new-tokens, --temperature, --top-p, --top-k, --seed and --stop say), print it, exit.")] = None,
-    max_new_tokens: MaxNewTokens = 50,
-    temperature: Temperature = 0.0,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
-    seed: Seed = None,
-    stop: Stop = None,
-    api_key: Annotated[Optional[str], typer.Option(
-        envvar=API_KEY.name, help="With --serve-port: require 'Authorization: Bearer KEY' on the API (every path "
-                                           "but /health and the agents' /stages, which want --token); without it the "
-                                           "API wants --token.")] = None,
-    model_name: Annotated[Optional[list[str]], typer.Option(
-        help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list); the first is reported "
-             "by /v1/models. Default: the --model folder's name, as serve names it. Any other id is a 404 model_not_found.")] = None,
-    chat_template: Annotated[Optional[Path], typer.Option(
-        help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "
-             "refused).")] = None,
+    sampling: Sampling = Sampling(),
     take_over: Annotated[bool, typer.Option("--take-over", help="Take the agents from the coordinator they serve "
                                             "(that one then answers 503 until they are free again); without it an "
                                             "agent serving another live coordinator is refused.")] = False,
@@ -210,7 +244,7 @@ def coordinator_command(
     from ..serving.endpoint import read_template
     from ..serving.text import generate_one, load_tokenizer
     from .client import AgentClient
-    from .coordinator import Coordinator, CoordinatorOptions
+    from .coordinator import Coordinator
     from .discovery import advertise_host
     from .discovery import discover as find
     from .generation import PipelineModel
@@ -223,43 +257,40 @@ def coordinator_command(
             + (f" (none answered mDNS within {discover:g} s)." if discover else ".")
         )
     store = open_store(model)
-    _warn_on_context_length(store.root, context_length)
-    options = CoordinatorOptions(work_dir, mem_fraction, context_length, min_prefix, objective,
-                                 pipeline_order.split(",") if pipeline_order else None, probe_bytes,
-                                 streaming=not no_streaming)
-    coordinator = Coordinator(store, [AgentClient(u, token) for u in found], options)
+    _warn_on_context_length(store.root, planning.context_length)
+    coordinator = Coordinator(store, [AgentClient(u, token) for u in found], planning.options())
     try:
-        serving = serve_port is not None
-        if not (package or generate or serving):
+        serves = serving.serve_port is not None
+        if not (package or generate or serves):
             coordinator.profile()
             typer.echo(coordinator.save_plan(list(coordinator.agents)).table())
             return
         pipeline = PipelineModel(coordinator, advertise_host(next(iter(coordinator.agents.values())).host))
-        tokenizer = load_tokenizer(pipeline) if generate or serving else None
-        names = [n.strip() for value in (model_name or [model_id(str(model))]) for n in value.split(",") if n.strip()]
-        app = coordinator_app(pipeline, tokenizer, names[0], work_dir / "stages", token, api_key=api_key,
-                              aliases=tuple(names[1:]), chat_template=read_template(chat_template))
+        tokenizer = load_tokenizer(pipeline) if generate or serves else None
+        names = model_names(serving.model_name, str(model))
+        app = coordinator_app(pipeline, tokenizer, names[0], planning.work_dir / "stages", token,
+                              api_key=serving.api_key, aliases=tuple(names[1:]),
+                              chat_template=read_template(serving.chat_template))
         try:   # listening first: a port in use is said at once, and /health says "deploying" meanwhile
-            server = BackgroundServer(app, host, serve_port or 0)
+            server = BackgroundServer(app, serving.host, serving.serve_port or 0)
         except BaseException:
             pipeline.close()
             raise
         try:
             coordinator.stage_url = f"http://{pipeline.reply_host}:{server.port}/stages/"
-            if serving:
-                typer.echo(f"coordinator on http://{host}:{server.port}: profiling the agents and deploying the "
-                           "stages (/health says \"deploying\" until they are loaded)")
+            if serves:
+                typer.echo(f"coordinator on http://{serving.host}:{server.port}: profiling the agents and deploying "
+                           "the stages (/health says \"deploying\" until they are loaded)")
             coordinator.claim(take_over)
             coordinator.on_deploy = _print_plan
             coordinator.profile()
             coordinator.deploy()
             if generate:
-                generate_one(pipeline, tokenizer, generate, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, top_k=top_k, seed=seed, stops=list(stop or []))
-            if serving:
-                secret = "--api-key" if api_key else "--token"
-                typer.echo(f"serving /v1/completions on http://{host}:{server.port} (bearer {secret} required; "
-                           f"up to {pipeline.engine.max_active} requests in flight)")
+                generate_one(pipeline, tokenizer, generate, **sampling.keywords())
+            if serves:
+                secret = "--api-key" if serving.api_key else "--token"
+                typer.echo(f"serving /v1/completions on http://{serving.host}:{server.port} (bearer {secret} "
+                           f"required; up to {pipeline.engine.max_active} requests in flight)")
                 server.wait()
         finally:
             server.stop()
