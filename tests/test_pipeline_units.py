@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from shardstream import quant
 from shardstream.convert import convert
+from shardstream.errors import PlanInfeasible
 from shardstream.pipeline.costs import model_cost
+from shardstream.pipeline.planner import UNMEASURED_DISK_BYTES_PER_S, Device, Link, ModelCost, PlanOptions, plan
 from shardstream.pipeline.package import package_stage, stage_manifest
 from shardstream.pipeline.stage import StageModel
 from shardstream.pipeline.transport import pack, unpack
+from shardstream.shard import place_experts
 from shardstream.store import open_store
 from shardstream.store.checksum import checksum_bytes
-from shardstream.stream import quant_linear
+from shardstream.store.direct_io import aligned
+from shardstream.store.sharding import placed_in
+from shardstream.stream import experts, quant_linear
 from shardstream.switches import DIRECT_IO
 from counting import linear_dequantizations
 from tiny_models import save_checkpoint
@@ -146,6 +152,89 @@ def test_costs_come_from_the_manifest_and_match_the_model(stores):
     assert cost.start_bytes == 4 * reference.model.embed_tokens.weight.numel()
     assert cost.end_bytes == 4 * (reference.lm_head.weight.numel() + reference.model.norm.weight.numel())
     assert cost.activation_bytes_per_token == 32 * 4
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """(cost with its experts in its blocks, the store with them placed apart, transformers' model): a tiny
+    Mixtral, 3 blocks of 4 experts, 2 a token."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    reference = save_checkpoint("mixtral", folder / "ckpt")
+    convert(folder / "ckpt", folder / "store", progress=False)
+    whole = model_cost(open_store(folder / "store"))
+    place_experts(open_store(folder / "store"), {"hot": "."})
+    return whole, open_store(folder / "store"), reference
+
+
+def _block_bytes(reference, experts: bool) -> int:
+    """fp32 bytes of block 0's parameters, with or without its experts."""
+    return 4 * sum(p.numel() for name, p in reference.model.layers[0].named_parameters()
+                   if experts or ".experts." not in name)
+
+
+def test_a_block_with_experts_in_it_costs_all_of_them(mixtral):
+    whole, _, reference = mixtral
+    assert [c.weight_bytes for c in whole.layers] == [_block_bytes(reference, experts=True)] * 3
+    assert {(c.expert_reading_bytes, c.expert_bytes_per_token) for c in whole.layers} == {(0, 0)}
+
+
+def test_a_block_with_experts_read_on_demand_costs_its_other_weights_and_their_reading(mixtral):
+    """Held: attention, router, norms, and the buffers of one expert read and MAX_DEPTH read ahead (these small
+    experts fit READ_AHEAD_BYTES many times); read a token: 2 of its 4 experts."""
+    whole, store, reference = mixtral
+    cost = model_cost(store)
+    lengths = [record.length for record in placed_in(store, 0)]
+    assert len(lengths) == 4 and len(set(lengths)) == 1 and lengths[0] > 3 * 16 * 32 * 4   # gate, up, down in fp32
+    dense = _block_bytes(reference, experts=False)
+    assert [c.weight_bytes for c in cost.layers] == [dense] * 3
+    assert dense + 4 * lengths[0] < whole.layers[0].weight_bytes + 4 * lengths[0]   # what was counted before
+    assert [c.expert_reading_bytes for c in cost.layers] == [(1 + experts.MAX_DEPTH) * aligned(lengths[0])] * 3
+    assert [c.expert_bytes_per_token for c in cost.layers] == [2 * lengths[0]] * 3
+    assert [c.flops_per_token for c in cost.layers] == [c.flops_per_token for c in whole.layers]
+
+
+def _devices(budget: int, disk: float) -> list[Device]:
+    return [Device("a", budget, 1.0, disk_bytes_per_s=disk), Device("b", budget, 1.0, disk_bytes_per_s=disk)]
+
+
+def test_experts_read_on_demand_are_planned_in_memory_and_priced_by_the_disk(mixtral, monkeypatch):
+    """Experts as big as the read-ahead (one read ahead, as a Mixtral-8x7B's): two devices that hold the
+    blocks without their experts keep them all in memory, where counting every expert held left no split,
+    not even streamed. A token reads each block's 2 routed experts from disk:
+    a slower disk gives a slower stage, and a device with no measured disk prices them at
+    UNMEASURED_DISK_BYTES_PER_S."""
+    _, store, _ = mixtral
+    length = placed_in(store, 0)[0].length
+    monkeypatch.setattr(experts, "READ_AHEAD_BYTES", aligned(length))
+    cost = model_cost(store)
+    block, reading = cost.layers[0].weight_bytes, cost.layers[0].expert_reading_bytes
+    assert reading == 2 * aligned(length)
+    options = PlanOptions(context_length=0, objective="throughput", default_link=Link(0.0, 1e30), streaming=False)
+    first = cost.start_bytes + 2 * block + reading
+    budget = max(first, cost.end_bytes + block + reading)
+    stages = plan(cost, _devices(budget, 0.0), options).stages
+    assert [(s.device, s.first_layer, s.last_layer_exclusive, s.streamed_bytes_per_token) for s in stages] == [
+        ("a", 0, 2, 0), ("b", 2, 3, 0)]
+    assert stages[0].memory_bytes == first   # the expert buffers once for its two blocks
+    assert [s.expert_bytes_per_token for s in stages] == [2 * 2 * length, 2 * length]
+    assert stages[0].read_seconds_per_token == pytest.approx(4 * length / UNMEASURED_DISK_BYTES_PER_S)
+
+    old = ModelCost([replace(c, weight_bytes=c.weight_bytes + 4 * length, expert_reading_bytes=0,
+                             expert_bytes_per_token=0) for c in cost.layers], cost.activation_bytes_per_token, cost.start_bytes, cost.end_bytes,
+                    cost.end_flops_per_token, cost.head_bytes)
+    with pytest.raises(PlanInfeasible, match="No split of the 3 blocks fits in memory"):
+        plan(old, _devices(budget, 0.0), options)
+    with pytest.raises(PlanInfeasible, match="Streaming blocks from disk does not help"):   # 2 blocks in flight
+        plan(old, _devices(budget, 1e6), replace(options, streaming=True))
+
+    times = {}
+    for disk in (1e6, 2e6):
+        stages = plan(cost, _devices(budget, disk), options).stages
+        assert stages[0].read_seconds_per_token == pytest.approx(4 * length / disk)
+        flops = sum(c.flops_per_token for c in cost.layers[:2]) / 1e9
+        assert stages[0].predicted_seconds_per_token == pytest.approx(flops + 4 * length / disk)
+        times[disk] = stages[0].predicted_seconds_per_token
+    assert times[1e6] - times[2e6] == pytest.approx(4 * length / 2e6)
 
 
 def test_the_last_stage_of_a_tied_model_ships_the_embedding_file(stores):

@@ -3,7 +3,9 @@
 import json
 import math
 import random
+import re
 import time
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -12,6 +14,7 @@ from shardstream.errors import InvalidOption, PlanInfeasible
 from shardstream.pipeline.planner import (
     STREAM_DEPTH,
     STREAM_UNIT_BYTES,
+    UNMEASURED_DISK_BYTES_PER_S,
     Device,
     LayerCost,
     Link,
@@ -390,3 +393,93 @@ def test_a_streamed_last_stage_that_keeps_its_head_is_given_it_in_its_budget():
     last = plan(model, devices, PlanOptions(context_length=0, default_link=FREE)).stages[-1]
     assert (last.first_layer, last.last_layer_exclusive, last.streamed_bytes_per_token) == (2, 5, 4 * GIB)
     assert last.stream_budget_bytes == 4 * GIB + GIB   # 5 GiB free less the head, for blocks; and the head
+
+
+def evaluate_experts(model, devices, options, spans):
+    """(stage times, largest overflow) from scratch for blocks whose experts are read on demand: each stage also
+    holds its blocks' largest expert buffers, once, and reads their routed experts at its disk's speed (an
+    assumed one where none was measured)."""
+    times, _ = evaluate(model, devices, options, spans)
+    overflow = -math.inf
+    for k, (device, first, end) in enumerate(spans):
+        blocks = model.layers[first:end]
+        memory = device.overhead_bytes + max(b.expert_reading_bytes for b in blocks) + sum(
+            b.weight_bytes + b.kv_bytes_per_token * options.context_length for b in blocks)
+        memory += (model.start_bytes if k == 0 else 0) + (model.end_bytes if k == len(spans) - 1 else 0)
+        overflow = max(overflow, memory - device.memory_budget_bytes)
+        speed = device.disk_bytes_per_s or UNMEASURED_DISK_BYTES_PER_S
+        times[k] += sum(b.expert_bytes_per_token for b in blocks) / speed
+    return times, overflow
+
+
+def test_experts_read_on_demand_match_brute_force():
+    """Random small instances with on-demand blocks (some without experts) and disks (some unmeasured): the
+    best split in memory, with each stage's expert buffers and expert reads."""
+    rng = random.Random(5)
+    outcomes = {"feasible": 0, "infeasible": 0, "several stages": 0}
+    for _ in range(400):
+        model, devices, options = random_instance(rng)
+        model.layers = [replace(b, expert_reading_bytes=rng.choice([0, rng.randint(1, 30)]),
+                                expert_bytes_per_token=rng.choice([0, rng.randint(1, 10**6)])) for b in model.layers]
+        devices = [replace(d, memory_budget_bytes=d.memory_budget_bytes + 30,
+                           disk_bytes_per_s=rng.choice([0.0, 1e6, 1e8])) for d in devices]
+        options.objective, options.streaming = rng.choice(["latency", "throughput"]), False
+        best, least_overflow = math.inf, math.inf
+        for spans in every_split(model, devices, options):
+            times, overflow = evaluate_experts(model, devices, options, spans)
+            least_overflow = min(least_overflow, overflow)
+            if overflow <= 0:
+                best = min(best, sum(times) if options.objective == "latency" else max(times))
+        if least_overflow > 0:
+            with pytest.raises(PlanInfeasible, match=f"overflows a device by {format_bytes(least_overflow)} "):
+                plan(model, devices, options)
+            outcomes["infeasible"] += 1
+            continue
+        result = plan(model, devices, options)
+        by_name = {d.name: d for d in devices}
+        spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+        times, overflow = evaluate_experts(model, devices, options, spans)
+        assert overflow <= 0 and all(s.memory_bytes <= s.budget_bytes for s in result.stages)
+        assert [s.predicted_seconds_per_token for s in result.stages] == pytest.approx(times, rel=1e-9)
+        assert [s.expert_bytes_per_token for s in result.stages] == [
+            sum(b.expert_bytes_per_token for b in model.layers[first:end]) for _, first, end in spans]
+        assert result.objective_value == pytest.approx(best, rel=1e-9)
+        outcomes["feasible"] += 1
+        outcomes["several stages"] += len(result.stages) > 1
+    assert min(outcomes.values()) > 40, outcomes   # seeded: every case is exercised
+
+
+def moe_case():
+    """Four blocks of 1 GiB held, each with 2 GiB of expert buffers and 1 GiB of experts read a token."""
+    return ModelCost([LayerCost(GIB, 0, 1e9, expert_reading_bytes=2 * GIB, expert_bytes_per_token=GIB)] * 4,
+                     activation_bytes_per_token=8192)
+
+
+def test_a_stage_holds_its_expert_buffers_once_and_prefers_the_faster_disk():
+    """All four blocks and one set of buffers (6 GiB) fit either device: the one with the faster disk takes
+    them, its time the compute and 4 GiB read; the table shows what its experts read."""
+    devices = [Device("slow-disk", 7 * GIB, 50, GIB, disk_bytes_per_s=GIB), Device("fast-disk", 7 * GIB, 50, GIB,
+                                                                                 disk_bytes_per_s=4 * GIB)]
+    result = plan(moe_case(), devices, PlanOptions(context_length=0, default_link=FREE))
+    [stage] = result.stages
+    assert (stage.device, stage.first_layer, stage.last_layer_exclusive) == ("fast-disk", 0, 4)
+    assert (stage.memory_bytes, stage.streamed_bytes_per_token, stage.expert_bytes_per_token) == (7 * GIB, 0, 4 * GIB)
+    assert stage.read_seconds_per_token == pytest.approx(1.0)
+    assert stage.predicted_seconds_per_token == pytest.approx(1.0 + 4e9 / 50e9)
+    table = result.table().splitlines()
+    assert "experts read/token" in table[0] and "streamed from disk/token" not in table[0]
+    assert table[1].endswith("4.00 GiB (1,000 ms)")
+    assert Plan.from_json(result.to_json()) == result
+
+
+def test_a_streamed_stage_keeps_its_expert_buffers_out_of_its_budget_and_pays_both_reads():
+    """5 GiB free: the buffers and two pieces in flight leave room for two blocks resident; the other two are
+    read a token with the four blocks' experts, at 1 GiB/s."""
+    devices = [Device("only", 6 * GIB, 50, GIB, disk_bytes_per_s=GIB)]
+    [stage] = plan(moe_case(), devices, PlanOptions(context_length=0)).stages
+    assert (stage.streamed_bytes_per_token, stage.expert_bytes_per_token) == (2 * GIB, 4 * GIB)
+    assert stage.stream_budget_bytes == 3 * GIB   # 5 GiB free less the expert buffers
+    assert stage.memory_bytes == GIB + 2 * GIB + 2 * GIB + 2 * STREAM_UNIT_BYTES
+    assert stage.read_seconds_per_token == pytest.approx(6.0)
+    table = Plan("latency", 0.0, [stage]).table().splitlines()
+    assert re.split(r"\s{2,}", table[1])[-2:] == ["2.00 GiB (2,000 ms)", "4.00 GiB (4,000 ms)"]

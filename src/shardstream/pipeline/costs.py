@@ -2,8 +2,11 @@
 
 Memory is counted at the size a stage holds it in (the streaming engine's rule, stream/ends.py and
 linear.py): a block's stored bytes (a quantized store's codes, bf16 as stored), a big embedding not at all
-(its rows are read by offset), a big head whole or, when the stage streams it, read on every token. Flops
-per token are about twice the parameter count. The KV cache holds keys and values per token: 2 x kv heads
+(its rows are read by offset), a big head whole or, when the stage streams it, read on every token. A block
+whose experts are placed apart (`shardstream shard --experts`) runs with them read on demand
+(pipeline/stage.py): it holds its other weights and the buffers its experts are read into (stream/experts.py's
+rule, at their stored size), and reads `num_experts_per_tok` experts of its average size a token. Flops per
+token are about twice the parameter count. The KV cache holds keys and values per token: 2 x kv heads
 x head dim x dtype.
 """
 
@@ -15,8 +18,10 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..store import Store
+from ..store.direct_io import aligned
 from ..store.sharding import placed_in
 from ..stream.ends import STREAMED_BYTES, by_rows
+from ..stream.experts import reading_bytes
 from ..stream.meta import config_dtype
 from .planner import Device, LayerCost, ModelCost
 
@@ -26,16 +31,30 @@ def model_cost(store: Store) -> ModelCost:
     config = AutoConfig.from_pretrained(store.root)
     size = config_dtype(config).itemsize
     kv = 2 * _num_kv_heads(config) * _head_dim(config) * size
-    blocks = [_params(store, f"mid/{i}") for i in range(store.num_layers)]
+    top_k = getattr(config, "num_experts_per_tok", None)
     return ModelCost(
-        layers=[LayerCost(_stored(store, f"mid/{i}") + sum(r.length for r in placed_in(store, i)), kv, 2.0 * p)
-                for i, p in enumerate(blocks)],
+        layers=[_layer(store, i, kv, top_k) for i in range(store.num_layers)],
         activation_bytes_per_token=config.hidden_size * size,
         start_bytes=_stored(store, "start") - _streamable(store, "start"),
         end_bytes=_stored(store, "end"),
         end_flops_per_token=2.0 * _params(store, "end"),
         head_bytes=_streamable(store, "end"),
     )
+
+
+def _layer(store: Store, index: int, kv: int, top_k: int | None) -> LayerCost:
+    """Block `index` as its stage runs it: whole in memory, or with its placed experts read on demand (`top_k`
+    of them a token; every one where the config names no top k)."""
+    part = f"mid/{index}"
+    flops = 2.0 * _params(store, part)
+    placed = [record.length for record in placed_in(store, index)]
+    if not placed:
+        return LayerCost(_stored(store, part), kv, flops)
+    # experts a `shard --experts` left in the part (killed before rewriting it) are dropped once read
+    held = sum(record.stored_bytes for record in _records(store, part) if record.expert is None)
+    routed = min(top_k or len(placed), len(placed))
+    return LayerCost(held, kv, flops, expert_reading_bytes=reading_bytes(aligned(max(placed)), ahead=True),
+                     expert_bytes_per_token=routed * sum(placed) // len(placed))
 
 
 def activation_bytes(store: Store, context_length: int) -> int:

@@ -12,6 +12,12 @@ head, the first blocks that fit (as `stream.residency.choose_resident` picks the
 in flight in memory, and reads the rest from disk every token; a last stage that cannot keep its
 big head beside that streams the head too. Such a stage costs its compute plus the streamed bytes
 at the device's measured disk read speed (a bound: prefetch overlaps the two).
+
+A block whose MoE experts are read on demand (placed apart: the stage reads only those its router picks)
+counts its other weights as its weight; its stage also holds, once, the buffers its experts are read into
+(the largest of its blocks'), and reads the routed experts every token, priced as streamed bytes are, at
+UNMEASURED_DISK_BYTES_PER_S on a device that reported no disk speed (it may not stream blocks, but such a
+stage reads its experts all the same).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from itertools import accumulate
+from itertools import accumulate, takewhile
 from typing import Literal
 
 from shardstream.errors import InvalidOption, PlanInfeasible
@@ -32,11 +38,14 @@ Choice = Callable[[float], tuple[float, int]]
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One transformer block; blocks differ (MoE, sliding-window attention), so each has its own."""
+    """One transformer block; blocks differ (MoE, sliding-window attention), so each has its own. A block
+    whose experts are read on demand has its other weights as `weight_bytes`."""
 
     weight_bytes: int
     kv_bytes_per_token: int
     flops_per_token: float
+    expert_reading_bytes: int = 0   # buffers its experts are read into; a stage holds its blocks' largest, once
+    expert_bytes_per_token: int = 0   # bytes of the experts a token is routed to, read from disk (none assumed kept)
 
 
 @dataclass
@@ -59,11 +68,13 @@ class Device:
     memory_budget_bytes: int
     gflops: float
     overhead_bytes: int = 0
-    disk_bytes_per_s: float = 0.0   # measured read speed of its stage files; 0: it cannot stream
+    disk_bytes_per_s: float = 0.0   # measured read speed of its stage files; 0: it cannot stream blocks
 
 
 STREAM_DEPTH = 1   # reading units a streamed stage reads ahead while one computes
 STREAM_UNIT_BYTES = 64 << 20   # a streamed block's reading unit at most: the engine reads blocks in pieces (stream/pieces.py)
+# what experts read on demand are priced at on a device that measured no disk: a SATA SSD's nominal reads
+UNMEASURED_DISK_BYTES_PER_S = 500e6
 
 
 @dataclass(frozen=True)
@@ -105,8 +116,9 @@ class Stage:
     budget_bytes: int
     predicted_seconds_per_token: float
     streamed_bytes_per_token: int = 0   # > 0: the stage streams these bytes of blocks from disk per token
-    read_seconds_per_token: float = 0.0   # their price at the device's disk read speed (in the time above)
+    read_seconds_per_token: float = 0.0   # their and its experts' price at the disk read speed (in the time above)
     stream_budget_bytes: int = 0   # a streamed stage's resident budget: blocks resident and in flight, and a head it keeps
+    expert_bytes_per_token: int = 0   # bytes of experts read on demand from disk per token
 
 
 @dataclass
@@ -120,7 +132,9 @@ class Plan:
     def table(self) -> str:
         """The plan as an aligned text table, for the coordinator to print."""
         streams = any(s.streamed_bytes_per_token for s in self.stages)
-        rows = [("device", "layers", "memory used / budget", "ms/token", *(["streamed from disk/token"] * streams))]
+        experts = any(s.expert_bytes_per_token for s in self.stages)
+        rows = [("device", "layers", "memory used / budget", "ms/token", *(["streamed from disk/token"] * streams),
+                 *(["experts read/token"] * experts))]
         rows += [
             (
                 s.device,
@@ -128,6 +142,7 @@ class Plan:
                 f"{format_bytes(s.memory_bytes)} / {format_bytes(s.budget_bytes)}",
                 _milliseconds(s.predicted_seconds_per_token),
                 *([_streamed(s)] * streams),
+                *([_read(s, s.expert_bytes_per_token)] * experts),
             )
             for s in self.stages
         ]
@@ -150,7 +165,15 @@ class Plan:
 def _streamed(stage: Stage) -> str:
     if not stage.streamed_bytes_per_token:
         return "no (in memory)"
-    return f"{format_bytes(stage.streamed_bytes_per_token)} ({_milliseconds(stage.read_seconds_per_token)} ms)"
+    return _read(stage, stage.streamed_bytes_per_token)
+
+
+def _read(stage: Stage, nbytes: int) -> str:
+    """`nbytes` of what the stage reads a token (blocks or experts, at one disk speed) and their share of its
+    read time."""
+    total = stage.streamed_bytes_per_token + stage.expert_bytes_per_token
+    seconds = stage.read_seconds_per_token * nbytes / total if nbytes else 0.0
+    return f"{format_bytes(nbytes)} ({_milliseconds(seconds)} ms)"
 
 
 def _layer_range(first: int, end: int) -> str:
@@ -252,17 +275,22 @@ class _Problem:
         self.devices = [by_name[name] for name in order]
         self.num_layers = len(model.layers)
         self.options, self.model = options, model
-        self.mem, self.flops, self.weights = [0], [0.0], [0]
+        self.mem, self.flops, self.weights, self.expert_reads = [0], [0.0], [0], [0]
         for layer in model.layers:
             kv_bytes = layer.kv_bytes_per_token * options.context_length
             self.mem.append(self.mem[-1] + layer.weight_bytes + kv_bytes)
             self.flops.append(self.flops[-1] + layer.flops_per_token)
             self.weights.append(self.weights[-1] + layer.weight_bytes)
+            self.expert_reads.append(self.expert_reads[-1] + layer.expert_bytes_per_token)
         self.free = [d.memory_budget_bytes - d.overhead_bytes for d in self.devices]
         self.can_stream = any(d.disk_bytes_per_s > 0 for d in self.devices)
+        self.read_speed = [d.disk_bytes_per_s or UNMEASURED_DISK_BYTES_PER_S for d in self.devices]
         sizes = [min(layer.weight_bytes, STREAM_UNIT_BYTES) for layer in model.layers]
         # largest[i][k]: the largest reading unit of blocks i .. i + k, as a streamed stage reads them
-        self.largest = [list(accumulate(sizes[i:], max)) for i in range(self.num_layers)] if self.can_stream else []
+        self.largest = _running_max(sizes) if self.can_stream else []
+        reading = [layer.expert_reading_bytes for layer in model.layers]
+        # reading[i][k]: the largest expert buffers of blocks i .. i + k, which their stage holds
+        self.reading = _running_max(reading) if any(reading) else []
         self.seconds_per_flop = [1 / (d.gflops * 1e9) for d in self.devices]
         self.end_seconds = [model.end_flops_per_token * s for s in self.seconds_per_flop]
         self.hop = [[self._hop(a, b) for b in self.devices] for a in self.devices]
@@ -275,26 +303,37 @@ class _Problem:
         """Memory of blocks [i, j) as a stage, device overhead excluded."""
         first = self.model.start_bytes if i == 0 else 0
         last = self.model.end_bytes if j == self.num_layers else 0
-        return self.mem[j] - self.mem[i] + first + last
+        reading = self.reading[i][j - i - 1] if self.reading else 0
+        return self.mem[j] - self.mem[i] + first + last + reading
 
     def compute(self, d: int, i: int, j: int) -> float:
         return (self.flops[j] - self.flops[i]) * self.seconds_per_flop[d]
+
+    def read_seconds(self, d: int, i: int, j: int, streamed: int = 0) -> float:
+        """What blocks [i, j) on device d read from disk a token, priced at its speed: `streamed` bytes of
+        blocks and the experts routed to."""
+        read = streamed + self.expert_reads[j] - self.expert_reads[i]
+        return read / self.read_speed[d] if read else 0.0
 
     def starts(self, d: int, j: int) -> list[int]:
         """Every i such that blocks [i, j) fit device d as a stage, latest first."""
         last = self.model.end_bytes if j == self.num_layers else 0
         lowest = max(1, bisect_left(self.mem, self.mem[j] + last - self.free[d]))
         found = list(range(j - 1, lowest - 1, -1))
+        if self.reading:   # the expert buffers only grow as the start moves back
+            found = list(takewhile(lambda i: self.stage_bytes(i, j) <= self.free[d], found))
         if j >= max(1, self.options.min_prefix) and self.stage_bytes(0, j) <= self.free[d]:
             found.append(0)
         return found
 
     def options_ending_at(self, d: int, j: int, streaming: bool) -> list[tuple[int, float]]:
         """(i, own seconds) for every stage [i, j) device d can run, latest start first; own time
-        (compute, plus disk reads when streamed) does not decrease as the start moves back."""
+        (compute, plus disk reads of experts and, when streamed, of blocks) does not decrease as the start
+        moves back."""
         flops, seconds_per_flop = self.flops, self.seconds_per_flop[d]
         if not streaming or self.devices[d].disk_bytes_per_s <= 0:
-            return [(i, (flops[j] - flops[i]) * seconds_per_flop) for i in self.starts(d, j)]
+            return [(i, (flops[j] - flops[i]) * seconds_per_flop + self.read_seconds(d, i, j))
+                    for i in self.starts(d, j)]
         found = []
         for i in range(j - 1, -1, -1):
             if i == 0 and j < max(1, self.options.min_prefix):
@@ -302,15 +341,15 @@ class _Problem:
             layout = self.layout(d, i, j)
             if layout is None:   # a stage starting earlier needs even more memory
                 break
-            found.append((i, (flops[j] - flops[i]) * seconds_per_flop + layout[1] / self.devices[d].disk_bytes_per_s))
+            found.append((i, (flops[j] - flops[i]) * seconds_per_flop + self.read_seconds(d, i, j, layout[1])))
         return found
 
     def layout(self, d: int, i: int, j: int) -> tuple[int, int, int] | None:
         """Blocks [i, j) as a stage on device d: (memory used, bytes streamed per token, memory for
         blocks), overhead excluded; None when even streaming cannot fit it. In memory when it fits;
-        else the streaming engine's layout: KV cache, start/end parts, STREAM_DEPTH + 1 reading units
-        in flight and the first blocks that fit in what is left (choose_resident's rule); a last stage
-        whose head leaves no room for that streams the head as well."""
+        else the streaming engine's layout: KV cache, start/end parts, expert buffers, STREAM_DEPTH + 1
+        reading units in flight and the first blocks that fit in what is left (choose_resident's rule); a
+        last stage whose head leaves no room for that streams the head as well."""
         total = self.stage_bytes(i, j)
         if total <= self.free[d]:
             return total, 0, 0
@@ -336,10 +375,10 @@ class _Problem:
             after = self.hop[d][spans[k + 1][0]] if k + 1 < len(spans) else self.end_seconds[d]
             device = self.devices[d]
             used, streamed, for_blocks = self.layout(d, i, j)
-            read = streamed / device.disk_bytes_per_s if streamed else 0.0
+            read = self.read_seconds(d, i, j, streamed)
             seconds = self.compute(d, i, j) + read + after
             stages.append(Stage(device.name, i, j, used + device.overhead_bytes, device.memory_budget_bytes, seconds,
-                                streamed, read, for_blocks))
+                                streamed, read, for_blocks, self.expert_reads[j] - self.expert_reads[i]))
         times = [s.predicted_seconds_per_token for s in stages]
         value = sum(times) if self.options.objective == "latency" else max(times)
         return Plan(self.options.objective, value, stages)
@@ -381,6 +420,11 @@ class _Problem:
                 f" small outside parts and {STREAM_DEPTH + 1} pieces of blocks in flight in memory.")
 
 
+def _running_max(sizes: list[int]) -> list[list[int]]:
+    """table[i][k]: the largest of sizes[i .. i + k]."""
+    return [list(accumulate(sizes[i:], max)) for i in range(len(sizes))]
+
+
 def _validate(model: ModelCost, devices: list[Device], options: PlanOptions) -> None:
     names = [device.name for device in devices]
     order = options.pipeline_order or names
@@ -401,6 +445,7 @@ def _validate(model: ModelCost, devices: list[Device], options: PlanOptions) -> 
     links = [options.default_link, *options.links.values()]
     if any(link.latency_s < 0 or link.bandwidth_bytes_per_s <= 0 for link in links):
         raise InvalidOption("Every link needs latency >= 0 and bandwidth > 0; measure it again.")
-    costs = [(x.weight_bytes, x.kv_bytes_per_token, x.flops_per_token) for x in model.layers]
+    costs = [(x.weight_bytes, x.kv_bytes_per_token, x.flops_per_token, x.expert_reading_bytes,
+              x.expert_bytes_per_token) for x in model.layers]
     if min(map(min, costs)) < 0 or min(model.start_bytes, model.end_bytes, model.end_flops_per_token) < 0:
         raise InvalidOption("Model costs must be non-negative; rebuild the cost table from the store.")

@@ -53,6 +53,18 @@ MAX_DEPTH = 8
 KERNEL_ROWS = 2
 
 
+def reading_bytes(expert_bytes: int, ahead: bool) -> int:
+    """Memory the reading of experts of `expert_bytes` each takes beside the experts held: the one being
+    multiplied, and those read `ahead` (the pipeline planner reserves it for a stage, pipeline/costs.py)."""
+    return (1 + reading_depth(expert_bytes, ahead)) * expert_bytes
+
+
+def reading_depth(expert_bytes: int, ahead: bool) -> int:
+    """Experts read ahead while one multiplies: one, or as many small ones as READ_AHEAD_BYTES holds (a small
+    expert's read is short, and one at a time leaves the disk waiting between them)."""
+    return 0 if not ahead else max(1, min(MAX_DEPTH, READ_AHEAD_BYTES // max(expert_bytes, 1)))
+
+
 class ExpertlessLoader(BlockLoader):
     """A BlockLoader whose parts come without the expert tensors (those are loaded on demand).
 
@@ -174,15 +186,13 @@ class OnDemandExperts:
         return sum(block.count for block in self._blocks.values())
 
     def reading_bytes(self, ahead: bool) -> int:
-        """Memory the reading takes beside the experts held: the buffer of the expert being multiplied (and of
-        those read `ahead`), and what its weights take converted where the products cannot read them as
-        stored."""
-        return (1 + self.depth(ahead)) * self.expert_bytes
+        """Memory the reading takes beside the experts held (`reading_bytes`), each expert at what it takes held:
+        its buffer, and its weights converted where the products cannot read them as stored."""
+        return reading_bytes(self.expert_bytes, ahead)
 
     def depth(self, ahead: bool) -> int:
-        """Experts read ahead while one multiplies: one, or as many small ones as READ_AHEAD_BYTES holds (a
-        small expert's read is short, and one at a time leaves the disk waiting between them)."""
-        return 0 if not ahead else max(1, min(MAX_DEPTH, READ_AHEAD_BYTES // max(self.expert_bytes, 1)))
+        """Experts read ahead while one multiplies (`reading_depth`)."""
+        return reading_depth(self.expert_bytes, ahead)
 
     def fit(self, memory: int, auto: bool) -> None:
         """Size the budget of experts held: `memory` bytes of them (not `auto`), reading ahead; or, `auto`,
