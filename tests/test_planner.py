@@ -115,10 +115,15 @@ def random_instance(rng):
     return model, devices, options
 
 
+def planned_spans(result, devices):
+    """The plan's stages as (device, first block, end block), as the brute-force evaluators take them."""
+    by_name = {d.name: d for d in devices}
+    return [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+
+
 def check_plan(result, model, devices, options, optimum):
     """The returned plan is valid and its value, recomputed from scratch, is the optimum."""
-    by_name = {d.name: d for d in devices}
-    spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+    spans = planned_spans(result, devices)
     assert [s.first_layer for s in result.stages][0] == 0
     assert [s.last_layer_exclusive for s in result.stages][-1] == len(model.layers)
     assert all(a.last_layer_exclusive == b.first_layer for a, b in zip(result.stages, result.stages[1:]))
@@ -322,8 +327,7 @@ def test_streams_only_when_nothing_fits_and_matches_brute_force():
             outcomes["infeasible"] += 1
             continue
         result = plan(model, devices, options)
-        by_name = {d.name: d for d in devices}
-        spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+        spans = planned_spans(result, devices)
         times, streamed, fits = evaluate_streamed(model, devices, options, spans)
         assert fits and all(s.memory_bytes <= s.budget_bytes for s in result.stages)
         assert [s.streamed_bytes_per_token for s in result.stages] == streamed
@@ -436,8 +440,7 @@ def test_experts_read_on_demand_match_brute_force():
             outcomes["infeasible"] += 1
             continue
         result = plan(model, devices, options)
-        by_name = {d.name: d for d in devices}
-        spans = [(by_name[s.device], s.first_layer, s.last_layer_exclusive) for s in result.stages]
+        spans = planned_spans(result, devices)
         times, overflow = evaluate_experts(model, devices, options, spans)
         assert overflow <= 0 and all(s.memory_bytes <= s.budget_bytes for s in result.stages)
         assert [s.predicted_seconds_per_token for s in result.stages] == pytest.approx(times, rel=1e-9)
