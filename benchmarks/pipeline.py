@@ -13,15 +13,18 @@ Run: `.venv/bin/python benchmarks/pipeline.py [--layers 8] [--hidden 256] [--tok
 streams blocks from disk, and tok/s is set against the agents' disk read floor.
 `--shape llama-3.2-1b` runs a real shape's store (scripts/real_shapes.py, all its blocks; `--compression
 4bit` its 4-bit store too) as two agents under `--cap` each against one process streaming the same store
-under `--single-cap`, alternating rounds: greedy tokens checked equal (and, for the unquantized store, to
-transformers' own model on the same weights, computing in the dtype the engine chose), median decode tok/s
-of each and their ratio. The agents
-share this host and a request's stages run one after the other, so each agent gets all its cores.
+under `--single-cap`, both loaded at once and called in turn (`--turns` generate() calls of `--tokens` each a
+round, one of the pipeline, then one of the process), so that the disk's speed of the moment (which drifts
+by 1.5x within minutes on a shared machine) weighs on both alike: greedy tokens checked equal (and, for the
+unquantized store, to transformers' own model on the same weights, computing in the dtype the engine chose),
+the median of each one's decode steps (those after the first new token) and their ratio, per round.
+The agents share this host and a request's stages run one after the other, so each agent gets all its cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import math
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -126,7 +129,8 @@ def main() -> None:
     parser.add_argument("--compression", default="none", help="with --shape: stores to run, e.g. none,4bit")
     parser.add_argument("--single-cap", default="1400M", help="with --shape: the one process's memcap limit")
     parser.add_argument("--mem-fraction", type=float, default=0.5, help="with --shape: the coordinator's --mem-fraction")
-    parser.add_argument("--rounds", type=int, default=2, help="with --shape: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="with --shape: rounds, each a new pipeline beside a new one process")
+    parser.add_argument("--turns", type=int, default=3, help="with --shape: generate() calls of each per round, in turn")
     parser.add_argument("--workdir", default="artifacts/bench-pipeline", help="with --shape: checkpoint and stores, kept")
     args = parser.parse_args()
     if args.streamed:
@@ -285,23 +289,30 @@ def streamed_main(tokens: int, cap: str) -> None:
 
 
 SINGLE = """
-import json, statistics, sys, time, torch
+import json, sys, time, torch
 from shardstream import AutoModel
-times, last = [], [time.perf_counter()]
+prompt = torch.tensor([[%s]])
 class Clock:
-    def put(self, value):
+    def __init__(self):
+        self.times, self.last, self.new = [], time.perf_counter(), 0
+    def put(self, value):   # decode steps only: the first new token's time is the prompt's pass
         now = time.perf_counter()
         if value.dim() == 1:
-            times.append(now - last[0])
-        last[0] = now
+            self.new += 1
+            if self.new > 1:
+                self.times.append(now - self.last)
+        self.last = now
     def end(self):
         pass
-prompt = torch.tensor([[%s]])
+words = open(int(sys.argv[3]))   # a pipe from the parent: memcap runs this in the background, stdin at /dev/null
 with AutoModel.from_pretrained(sys.argv[1]) as model:
     model.generate(prompt, max_new_tokens=2, do_sample=False)
-    out = model.generate(prompt, max_new_tokens=int(sys.argv[2]), do_sample=False, streamer=Clock())
-    print(json.dumps({"tokens": out[0, prompt.shape[1]:].tolist(), "step": statistics.median(times),
-                      "resident": len(model.resident_blocks), "dtype": str(model.model.dtype)}))
+    print(json.dumps({"ready": True}), flush=True)
+    for word in words:   # one generate() call each
+        clock = Clock()
+        out = model.generate(prompt, max_new_tokens=int(sys.argv[2]), do_sample=False, streamer=clock)
+        print(json.dumps({"times": clock.times, "tokens": out[0, prompt.shape[1]:].tolist(),
+                          "resident": len(model.resident_blocks), "dtype": str(model.model.dtype)}), flush=True)
 """
 
 
@@ -309,19 +320,54 @@ def shape_prompt() -> torch.Tensor:
     return torch.arange(3, 19).unsqueeze(0)
 
 
-def single_run(store: Path, cap: str, tokens: int) -> dict | str:
-    """One process streaming `store` under memcap `cap` (cold): its greedy tokens and median decode step."""
-    code = SINGLE % ", ".join(map(str, shape_prompt()[0].tolist()))
-    run = subprocess.run([str(MEMCAP), cap, "--cold", str(store), "--", sys.executable, "-c", code, str(store), str(tokens)],
-                         capture_output=True, text=True, timeout=1800)
-    peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", run.stderr)
-    if run.returncode != 0:
-        return "killed (out of memory)" if run.returncode in (-9, 137) else f"failed: {run.stderr.strip()[-200:]}"
-    return {**json.loads(run.stdout.strip().splitlines()[-1]), "peak": peak.group(1) if peak else "?"}
+class OneProcess:
+    """One process streaming `store` under memcap `cap` (cold), loaded and warmed up, that makes one greedy
+    generate() call of `tokens` new tokens each time `call()` is called, the pipeline's calls in between."""
+
+    def __init__(self, store: Path, cap: str, tokens: int, log: Path):
+        code = SINGLE % ", ".join(map(str, shape_prompt()[0].tolist()))
+        self.log = log
+        words, word = os.pipe()
+        self.process = subprocess.Popen([str(MEMCAP), cap, "--cold", str(store), "--", sys.executable, "-c", code, str(store),
+                                         str(tokens), str(words)], stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                                        pass_fds=(words,))
+        os.close(words)
+        self.words = os.fdopen(word, "w")
+        self.times: list[float] = []
+        self.result: dict | None = None
+        self.alive = bool(self.process.stdout.readline())   # loaded and warmed up, or gone
+
+    def call(self) -> None:
+        if not self.alive:
+            return
+        try:
+            self.words.write("go\n")
+            self.words.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:   # it died: finish() says how
+            self.alive = False
+            return
+        self.result = json.loads(line)
+        self.times += self.result["times"]
+
+    def finish(self) -> dict | str:
+        """Its greedy tokens, median decode step and cgroup peak, or why there are none."""
+        with contextlib.suppress(BrokenPipeError):
+            self.words.close()
+        code = self.process.wait(timeout=600)
+        stderr = self.log.read_text()
+        peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", stderr)
+        if code != 0 or not self.times:
+            return "killed (out of memory)" if code in (-9, 137) else f"failed: {stderr.strip()[-200:]}"
+        return {**self.result, "step": statistics.median(self.times), "peak": peak.group(1) if peak else "?"}
 
 
-def pipeline_run(store: Path, cap: str, tokens: int, mem_fraction: float) -> dict | str:
-    """Two agents under memcap `cap`, planned and deployed by a coordinator: greedy tokens, median decode step."""
+def pipeline_run(store: Path, cap: str, tokens: int, mem_fraction: float, turns: int = 1,
+                 beside: Callable[[], None] | None = None) -> dict | str:
+    """Two agents under memcap `cap`, planned and deployed by a coordinator: greedy tokens and median decode step
+    (the steps after the first new token) of `turns` generate() calls, `beside` run after each."""
     prompt = shape_prompt()
     with tempfile.TemporaryDirectory(dir="/tmp") as temp:
         folder = Path(temp)
@@ -331,15 +377,20 @@ def pipeline_run(store: Path, cap: str, tokens: int, mem_fraction: float) -> dic
             coordinator.profile()
             route = coordinator.deploy()
             pipeline.generate(prompt, max_new_tokens=2)
-            clock = StepClock(pipeline)
-            out = pipeline.generate(prompt, max_new_tokens=tokens, streamer=clock)
+            times = []
+            for _ in range(turns):
+                clock = StepClock(pipeline)
+                out = pipeline.generate(prompt, max_new_tokens=tokens, streamer=clock)
+                times += clock.times[1:]
+                if beside is not None:
+                    beside()
             alive = all(a.process.poll() is None for a in agents)
         peaks = [re.search(r"peak ([^,\s]+)", line).group(1) for a in agents for line in a.log.read_text().splitlines()
                  if line.startswith("memcap:")]
     layout = " + ".join(f"{s.device}:{s.first_layer}-{s.last_layer_exclusive - 1}"
                         f"{' (streams %.0f MiB)' % (s.streamed_bytes_per_token / 2**20) if s.streamed_bytes_per_token else ''}"
                         for s in route.plan.stages)
-    return {"tokens": out[0, prompt.shape[1]:].tolist(), "step": statistics.median(clock.times), "alive": alive,
+    return {"tokens": out[0, prompt.shape[1]:].tolist(), "step": statistics.median(times), "alive": alive,
             "layout": layout, "peak": " / ".join(peaks)}
 
 
@@ -365,11 +416,13 @@ def shape_main(args) -> None:
     rows = []
     for compression, store in stores.items():
         for round_ in range(1, args.rounds + 1):
-            single = single_run(store, args.single_cap, args.tokens)
-            try:
-                staged = pipeline_run(store, args.cap, args.tokens, args.mem_fraction)
-            except Exception as error:   # an agent killed, a plan refused: the row says so
-                staged = f"failed: {str(error)[:160]}"
+            with tempfile.TemporaryDirectory(dir="/tmp") as temp:
+                one = OneProcess(store, args.single_cap, args.tokens, Path(temp) / "one-process.log")
+                try:
+                    staged = pipeline_run(store, args.cap, args.tokens, args.mem_fraction, args.turns, one.call)
+                except Exception as error:   # an agent killed, a plan refused: the row says so
+                    staged = f"failed: {str(error)[:160]}"
+                single = one.finish()
             both = isinstance(single, dict) and isinstance(staged, dict)
             exact = (staged["tokens"] == transformers_tokens(single["dtype"]) if compression == "none" else "n/a (4-bit weights)") \
                 if both else ""
@@ -382,7 +435,8 @@ def shape_main(args) -> None:
             print(" | ".join(rows[-1]), file=sys.stderr)
     print(f"\n{args.shape} shape, {args.tokens} greedy tokens after a 16-token prompt, median decode step; two agents "
           f"under memcap {args.cap} each (--mem-fraction {args.mem_fraction}, {os.cpu_count()} threads each, stages one "
-          f"after the other) against one process under memcap {args.single_cap} (cold), alternating rounds.\n")
+          f"after the other) against one process under memcap {args.single_cap} (cold), both loaded at once, "
+          f"{args.turns} generate() calls of each in turn a round; median of the decode steps after the first new token.\n")
     print("| store | round | pipeline tok/s | agents' peaks | plan | one process tok/s | its peak | pipeline / one "
           "process | same tokens | tokens = transformers' |")
     print("|---|---|---|---|---|---|---|---|---|---|")
