@@ -74,9 +74,10 @@ def command_options(flags: EngineFlags, batch_size: int = 1) -> EngineOptions:
 
 
 def refuse_experts_with_tp(flags: EngineFlags) -> None:
-    """Tensor-parallel ranks hold whole experts with their blocks (docs/TENSOR_PARALLEL.md)."""
+    """Tensor-parallel serving ranks hold whole experts with their blocks (docs/TENSOR_PARALLEL.md)."""
     if flags.experts != "with-block":
-        raise InvalidOption(f"--experts {flags.experts} cannot be combined with --tensor-parallel; leave --experts out.")
+        raise InvalidOption(f"--experts {flags.experts} cannot be combined with serve --tensor-parallel yet; "
+                            "leave --experts out.")
 
 
 def _size_or_auto(value: str, flag: str) -> int | str:
