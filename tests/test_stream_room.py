@@ -109,14 +109,10 @@ def test_a_model_whose_piece_cannot_fit_the_cap_is_refused_in_one_sentence(tmp_p
                      r"it at least \d+ MiB more, or stream a 4-bit store", run.stderr), run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--experts", "lazy"], "--experts must be one of with-block, on-demand, not 'lazy'."),
-    (["--experts", "on-demand", "--tensor-parallel"],
-     "--experts on-demand cannot be combined with --tensor-parallel; leave --experts out."),
-])
-def test_experts_option_is_checked(tmp_path, extra, message):
+def test_experts_option_is_checked(tmp_path):
     store, _, _ = llama_store_with_tokenizer(tmp_path)
-    run = subprocess.run([SHARDSTREAM, "generate", str(store), "--prompt", "hi", "--no-progress", *extra],
+    message = "--experts must be one of with-block, on-demand, not 'lazy'."
+    run = subprocess.run([SHARDSTREAM, "generate", str(store), "--prompt", "hi", "--no-progress", "--experts", "lazy"],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert message in " ".join(run.stderr.split()), run.stderr

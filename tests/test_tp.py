@@ -25,7 +25,6 @@ from shardstream.shard import export_tp, load_index, place_experts
 from shardstream.sizes import format_size
 from shardstream.store import open_store
 from shardstream.stream.meta import build_meta_model
-from shardstream import AutoModel
 from shardstream.stream import StreamingModel
 from shardstream.tp.rankstore import RankLayout, exported_view, rank_folder, rank_layout
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
@@ -149,7 +148,11 @@ def runs(tmp_path_factory):
              {"name": "llama-tp-cache", "stores": [str(stores["llama"])] * 2, "options": {"tp_cache": str(folder / "cache")}},
              {"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
              {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]},
-             {"name": "mixtral-3-experts", "stores": [str(three_experts)] * 2}]
+             {"name": "mixtral-3-experts", "stores": [str(three_experts)] * 2},
+             {"name": "mixtral-on-demand", "stores": [str(stores["mixtral-placed"])] * 2, "options": {"experts": "on_demand"}},
+             {"name": "mixtral-on-demand-unplaced", "stores": [str(stores["mixtral"])] * 2,
+              "options": {"experts": "on_demand"}}]
+    references["mixtral-on-demand"] = references["mixtral"]
     out = folder / "out"
     out.mkdir()
     (folder / "jobs.json").write_text(json.dumps([{**job, "out": str(out)} for job in jobs]))
@@ -169,7 +172,8 @@ def _streamed(name: str) -> str:
 
 @pytest.mark.parametrize("name", [*FAMILIES, "llama-mqa", "llama-sliced", "phi3-sliced", "llama-streamed",
                                   "phi3-streamed", "phi3-sliced-streamed", *MOE,
-                                  "mixtral-streamed", "qwen3_moe-fused-streamed", "mixtral-placed-streamed"])
+                                  "mixtral-streamed", "qwen3_moe-fused-streamed", "mixtral-placed-streamed",
+                                  "mixtral-on-demand"])
 def test_two_ranks_compute_what_transformers_computes(runs, name):
     _, references, results = runs
     with torch.no_grad():
@@ -380,6 +384,34 @@ def test_placed_experts_are_read_as_the_rank_s_experts_only(runs):
         assert results["mixtral-placed"][rank]["rank_store"] == str(stores["mixtral-placed"] / "tp" / f"rank_{rank}_of_2")
 
 
+def test_ranks_read_the_experts_the_router_picks_from_the_store_s_expert_files(runs):
+    """experts='on_demand' in a rank: its folder holds its dense shares and no expert; the experts stay in the
+    store's files on their tiers, and each rank reads those of its own (two of each block's four) that the
+    router picks, each expert's bytes whole. (Its tokens equal transformers': the test above.)"""
+    stores, _, results = runs
+    index = load_index(open_store(stores["mixtral-placed"]))
+    for rank in (0, 1):
+        result = results["mixtral-on-demand"][rank]
+        assert result["rank_store"] == str(stores["mixtral-placed"] / "tp" / f"rank_{rank}_of_2_experts_apart")
+        folder = open_store(result["rank_store"]).manifest
+        assert not load_index(open_store(result["rank_store"])).experts
+        assert not any(r.expert is not None or ".experts." in name for name, r in folder.tensors.items())
+        assert result["share_bytes_read"] == _split_bytes(stores["mixtral-placed"], rank)
+        lengths = {r.length for r in index.experts.values() if r.expert // 2 == rank}
+        experts = result["experts"]
+        assert experts["loads"] > 0 and experts["bytes_read"] == experts["loads"] * lengths.pop() and not lengths
+
+
+def test_experts_on_demand_in_a_rank_need_them_placed(runs):
+    stores, _, results = runs
+    root = stores["mixtral"]
+    for rank in (0, 1):
+        assert results["mixtral-on-demand-unplaced"][rank]["refused"] == (
+            f"experts='on_demand' needs every expert placed on a tier, but {root} has no placed expert 0:{2 * rank}; "
+            f"run `shardstream shard {root} --experts` first.")
+        assert not (root / "tp" / f"rank_{rank}_of_2_experts_apart").exists()   # refused before writing anything
+
+
 def test_a_rank_count_that_does_not_divide_the_experts_is_one_sentence(runs):
     _, _, results = runs
     for rank in (0, 1):
@@ -454,12 +486,6 @@ def test_a_rank_killed_while_writing_its_shares_resumes(tmp_path):
     fresh, everything = rank_folder(store, _layout(root, 0), 0, 2, "e" * 32, tmp_path / "cache")
     assert 0 < read < everything
     assert resumed.manifest.files == fresh.manifest.files and resumed.manifest.tensors == fresh.manifest.tensors
-
-
-def test_tensor_parallel_with_experts_on_demand_is_one_sentence(tmp_path):
-    root = _exported(tmp_path, "llama")
-    with pytest.raises(InvalidOption, match="experts='on_demand' cannot be combined with tensor_parallel=True; leave it out"):
-        AutoModel.from_pretrained(str(root), tensor_parallel=True, experts="on_demand", progress=False)
 
 
 def test_tp_cache_without_tensor_parallel_is_one_sentence(tmp_path):

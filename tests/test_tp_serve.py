@@ -25,6 +25,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardstream.convert import convert
+from shardstream.shard import place_experts
+from shardstream.store import open_store
 from test_serving_server import requests_in_flight_when
 from tiny_models import COMMON, CONFIGS, char_tokenizer, save_checkpoint
 
@@ -45,12 +47,13 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
 
-def _llama_store(folder: Path):
-    """The tiny llama of the other tests with a longer context; (store, reference, tokenizer)."""
-    settings = {**COMMON, **CONFIGS["llama"], "max_position_embeddings": CONTEXT}
-    settings.pop("model_type")
+def _llama_store(folder: Path, family: str = "llama"):
+    """The tiny model of the other tests (llama, or another family of tiny_models.py) with a longer context;
+    (store, reference, tokenizer)."""
+    settings = {**COMMON, **CONFIGS[family], "max_position_embeddings": CONTEXT}
+    model_type = settings.pop("model_type")
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings)).eval()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).eval()
     reference.save_pretrained(folder / "ckpt", max_shard_size="40KB")
     tokenizer = char_tokenizer()
     tokenizer.save_pretrained(folder / "ckpt")
@@ -243,6 +246,28 @@ def test_auto_residency_of_a_serving_rank_is_its_share_of_serves(tiny, tmp_path)
     assert ranks.keys() == {"rank 0 of 2", "rank 1 of 2"}
     for budget in ranks.values():   # the memory available moves a little between the starts
         assert 0.3 * one < budget < 0.8 * one, (one, ranks)
+
+
+def test_ranks_serving_experts_on_demand_answer_transformers_greedy_text(tmp_path):
+    """`serve --tensor-parallel --experts on-demand` on a Mixtral whose experts are placed apart: each rank reads
+    its own experts as the router picks them; concurrent requests get transformers' greedy text, and /health
+    says what rank 0's experts read."""
+    store, reference, tokenizer = _llama_store(tmp_path, "mixtral")
+    place_experts(open_store(store), {"hot": "."})
+    served = Ranks(store, tmp_path / "serve.log", "--experts", "on-demand", "--max-batch-size", "4",
+                   "--model-name", "tiny", "--tp-cache", str(tmp_path / "cache"))
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=8,
+                                                                        temperature=0).choices[0].text, PROMPTS[:4]))
+        health = httpx.get(served.url + "/health", timeout=10).json()
+    finally:
+        served.stop()
+    assert texts == [_greedy(reference, tokenizer, prompt, 8) for prompt in PROMPTS[:4]]
+    assert health["experts"]["loads"] > 0
+    assert [path.name for path in sorted((tmp_path / "cache").glob("*/rank_*"))] == [
+        "rank_0_of_2_experts_apart", "rank_1_of_2_experts_apart"]
 
 
 def test_sigkill_of_rank_1_mid_request_is_a_503_and_the_restarted_group_answers_the_same(ranks):

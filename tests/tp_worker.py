@@ -4,7 +4,8 @@ argv[1] is a JSON file of jobs: {"name", "stores": [one store per rank], "out": 
 "compute_dtype" and "options" (more from_pretrained arguments)}. For each job this rank opens its store with
 `AutoModel.from_pretrained(..., tensor_parallel=True)` and writes `<name>.<rank>.json` (bytes read at
 opening and from the store's part files, bytes read per pass of the greedy generation, resident blocks,
-the rank's store, sampled tokens and the logits' dtype, or the refusal's message); rank 0 also writes
+the rank's store, sampled tokens, the logits' dtype and what experts on demand read, or the refusal's
+message); rank 0 also writes
 `<name>.pt` (logits and greedy tokens). One launch runs every job: starting ranks is most of a test's time.
 """
 
@@ -42,7 +43,8 @@ def run(job: dict, rank: int) -> None:
     (out / f"{job['name']}.{rank}.json").write_text(json.dumps({
         "bytes_read": opened, "share_bytes_read": model.share_bytes_read, "per_pass": per_pass, "passes": passes,
         "resident_blocks": len(model.resident_blocks), "rank_store": str(model.rank_store.root),
-        "sampled": sampled.tolist(), "dtype": str(logits.dtype)}))
+        "sampled": sampled.tolist(), "dtype": str(logits.dtype),
+        "experts": model.experts.report() if model.experts else None}))
     model.close()
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens}, out / f"{job['name']}.pt")

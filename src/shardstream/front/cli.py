@@ -73,12 +73,6 @@ def command_options(flags: EngineFlags, batch_size: int = 1) -> EngineOptions:
     return options.for_batch(batch_size, flags.device)
 
 
-def refuse_experts_with_tp(flags: EngineFlags) -> None:
-    """Tensor-parallel ranks hold whole experts with their blocks (docs/TENSOR_PARALLEL.md)."""
-    if flags.experts != "with-block":
-        raise InvalidOption(f"--experts {flags.experts} cannot be combined with --tensor-parallel; leave --experts out.")
-
-
 def _size_or_auto(value: str, flag: str) -> int | str:
     """A memory flag's text as EngineOptions takes it: 'auto', or bytes."""
     return "auto" if value == "auto" else parse_size(value, flag)

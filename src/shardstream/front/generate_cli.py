@@ -12,7 +12,7 @@ import typer
 from ..errors import InvalidOption
 from ..option_groups import with_groups
 from ..options import ConversionOptions, EngineFlags, Sampling, TpCache, refuse_tp_cache, whole_number
-from .cli import Source, command_options, open_model, refuse_experts_with_tp
+from .cli import Source, command_options, open_model
 
 if TYPE_CHECKING:
     from ..stream.engine_options import EngineOptions
@@ -41,7 +41,6 @@ def generate_command(
         from .tp_generate import generate_tp, refuse_unsupported
 
         _check_utf8(prompt or "")
-        refuse_experts_with_tp(engine)
         given = {"--draft": draft, "--prompts-file": prompts_file, "--output": output, "--profile": engine.profile or None}
         refuse_unsupported([name for name, value in given.items() if value is not None])
         if prompt is None:

@@ -22,7 +22,7 @@ from ..sizes import parse_size
 from ..serving.endpoint import (Endpoint, bind, log_batch_bounds, read_template, say, say_resident, server_class,
                                 stop_on_signals)
 from ..switches import API_KEY
-from .cli import Source, command_options, open_model, refuse_experts_with_tp
+from .cli import Source, command_options, open_model
 
 TP_TIMEOUT_S = 300.0   # --tp-timeout: a collective that waits longer means a rank hangs
 STOP_S = 10.0          # how long a stop waits for the last replies, then for the engine's step in progress
@@ -72,7 +72,6 @@ def serve_command(
                         read_template(chat_template), parse_size(max_request_size, "--max-request-size"), quiet)
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
-        refuse_experts_with_tp(engine)
         from .tp_serve import serve_tp
 
         options = command_options(engine)   # for one sequence

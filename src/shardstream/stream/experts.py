@@ -65,6 +65,37 @@ def reading_depth(expert_bytes: int, ahead: bool) -> int:
     return 0 if not ahead else max(1, min(MAX_DEPTH, READ_AHEAD_BYTES // max(expert_bytes, 1)))
 
 
+@dataclass(frozen=True)
+class ExpertSource:
+    """Where experts='on_demand' reads a model's experts from: a store whose experts `shard --experts` placed,
+    and which of each block's experts the model's modules hold (`numbers`, the first of them held as 0: a
+    tensor-parallel rank's share, tp/experts.py); None: all of them."""
+
+    store: Store
+    numbers: range | None = None
+
+
+def served_experts(source: ExpertSource, layers: range | None = None) -> list:
+    """The placed experts (sharding index records) that experts='on_demand' serves from `source` for these
+    blocks (default all); InvalidOption, before anything is read or written, where one is not placed or the
+    model has none."""
+    store, numbers = source.store, source.numbers
+    placed = {key: r for key, r in load_index(store).experts.items() if numbers is None or r.expert in numbers}
+    for record in store.manifest.tensors.values():
+        if record.expert is None or not (numbers is None or record.expert in numbers):
+            continue
+        layer = Part.parse(record.part).index
+        if (layers is None or layer in layers) and f"{layer}:{record.expert}" not in placed:
+            raise InvalidOption(
+                f"experts='on_demand' needs every expert placed on a tier, but {store.root} has no placed "
+                f"expert {layer}:{record.expert}; run `shardstream shard {store.root} --experts` first."
+            )
+    served = [r for r in placed.values() if layers is None or r.group in layers]
+    if not served:
+        raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
+    return served
+
+
 class ExpertlessLoader(BlockLoader):
     """A BlockLoader whose parts come without the expert tensors (those are loaded on demand).
 
@@ -128,10 +159,12 @@ class OnDemandExperts:
     memory and those that read.
     """
 
-    def __init__(self, store: Store, model: nn.Module, mapper: WeightMapper, device: torch.device,
+    def __init__(self, source: ExpertSource, model: nn.Module, mapper: WeightMapper, device: torch.device,
                  layers: range | None = None):
         """`layers`: the blocks whose experts to serve (a pipeline stage's), default all."""
-        self.store = store
+        store = self.store = source.store
+        numbers = source.numbers
+        self._first = numbers.start if numbers else 0
         self._device = device
         self.loads = 0
         self.bytes_read = 0
@@ -140,26 +173,11 @@ class OnDemandExperts:
         self._buffers = BufferPool()   # experts are read into these
         self._counting = threading.Lock()
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
-        index = load_index(store)
-        placed = index.experts
+        mine = served_experts(source, layers)
         by_layer: dict[int, set[str]] = {}
-        for record in placed.values():
+        for record in mine:
             by_layer.setdefault(record.group, set()).update(record.tensors)
-        for record in store.manifest.tensors.values():
-            if record.expert is None:
-                continue
-            layer = Part.parse(record.part).index
-            if (layers is None or layer in layers) and f"{layer}:{record.expert}" not in placed:
-                raise InvalidOption(
-                    f"experts='on_demand' needs every expert placed on a tier, but {store.root} has no placed "
-                    f"expert {layer}:{record.expert}; run `shardstream shard {store.root} --experts` first."
-                )
-        if layers is not None:
-            by_layer = {layer: names for layer, names in by_layer.items() if layer in layers}
-        if not by_layer:
-            raise InvalidOption(f"experts='on_demand' needs a mixture-of-experts model; the store at {store.root} has none.")
         self.checkpoint_names = set().union(*by_layer.values())
-        mine = [r for r in placed.values() if r.group in by_layer]
         self._file_bytes = max(r.length for r in mine)   # the largest expert's bytes: one read's buffer
         self._blocks: dict[int, _Block] = {}
         for layer, names in by_layer.items():
@@ -257,7 +275,7 @@ class OnDemandExperts:
     def _load(self, layer: int, expert: int) -> _Loaded:
         """One expert's weights, read and checked: into a reused buffer from a local file (past the page cache
         when `drop_pages`: Expert.read_into), then placed for the products (`_placed`)."""
-        placed = load_expert(self.store, layer, expert)
+        placed = load_expert(self.store, layer, self._first + expert)
         buffer = None if placed.path is None else self._buffers.take(self._file_bytes)
         try:
             tensors = (placed.read(verify=True, dequantize=False) if buffer is None

@@ -29,7 +29,7 @@ from .blocks import StreamedBlocks, fill_block
 from .ends import Ends
 from .habits import TransformersHabits
 from .engine_options import EngineOptions, engine_options
-from .experts import ExpertlessLoader, OnDemandExperts
+from .experts import ExpertlessLoader, ExpertSource, OnDemandExperts
 from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
@@ -81,10 +81,12 @@ class StreamingModel(TransformersHabits, WrapsModel):
     the meta model before anything is sized or read (a tensor-parallel rank's split modules, tp/model.py).
     `blocks`: run only these of the store's blocks (a pipeline stage's), numbered from 0 in `model`; the
     embedding is held only by a range that starts at the first block, the final norm and head only by one
-    that ends at the last, and a later range's caller hands its first block the hidden states."""
+    that ends at the last, and a later range's caller hands its first block the hidden states.
+    `experts_from`: where experts='on_demand' reads the experts (experts.ExpertSource; default this store's, all)."""
 
     def __init__(self, store: Store, options: EngineOptions | None = None, *, device: str | torch.device = "cpu",
-                 shape_model: Callable[[torch.nn.Module], None] | None = None, blocks: range | None = None, **engine):
+                 shape_model: Callable[[torch.nn.Module], None] | None = None, blocks: range | None = None,
+                 experts_from: ExpertSource | None = None, **engine):
         """`options`: the engine's options as one value, or given one by one (`engine`: EngineOptions' fields)."""
         options = engine_options(options, engine)
         self.options = options
@@ -108,7 +110,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._buffers_to_device()
         mapper = WeightMapper(self.model, block_renames(store, self.blocks) if partial else None)
         check_stored_shapes(store, self.model, mapper)
-        self.experts = (OnDemandExperts(store, self.model, mapper, self.device, self.blocks)
+        self.experts = (OnDemandExperts(experts_from or ExpertSource(store), self.model, mapper, self.device, self.blocks)
                         if options.experts == "on_demand" else None)
         self._loader = (ExpertlessLoader(store, mapper, self.device, options.verify_checksums, self.experts.checkpoint_names,
                                          self.blocks)

@@ -10,7 +10,9 @@ them. This is how transformers' own expert parallelism (`ep_dispatch_experts`) r
 Whole experts rather than a slice of each: a rank's store (rankstore.py) holds each of its experts as
 whole tensors (read from whole files, where `shardstream shard --experts` placed them on tiers) and
 never touches the other experts' bytes; the collective is the same one all-reduce per MoE block that sliced experts need.
-The cost is balance: a decoded token's top-k experts may all be on one rank.
+The cost is balance: a decoded token's top-k experts may all be on one rank. With experts='on_demand' the
+experts module's forward is the streaming engine's (stream/experts.py), given this rank's experts as the
+ones it serves: the same renumbered picks, read from the store's expert files when routed to.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import InvalidOption
 from ..store.reader import Store
 from ..stream.engine_options import EngineOptions, engine_options
+from ..stream.experts import ExpertSource, served_experts
 from ..stream.habits import TransformersHabits
 from ..stream.meta import WrapsModel, build_meta_model
 from ..stream.model import StreamingModel
@@ -41,12 +42,14 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
 
     `max_resident_memory`, `max_host_memory`, `prefetching`, `prefetch_depth`, `piece_bytes`,
     `verify_checksums`, `profiling_mode` and `max_seq_len` mean what they mean to a StreamingModel, for
-    this rank's shares; `tp_cache`: the folder the rank writes its shares to when the store has no
-    export for this many ranks (default `<store>/tp`)."""
+    this rank's shares; `experts`: an MoE rank holds its experts with its blocks ("with_block"), or reads
+    those of them the router picks from the store's expert files ("on_demand", a store whose experts
+    `shardstream shard --experts` placed), cached as one process caches them; `tp_cache`: the folder the rank
+    writes its shares to when the store has no export for this many ranks (default `<store>/tp`)."""
 
     def __init__(self, store: Store, options: EngineOptions | None = None, *, device: str | torch.device = "cpu",
                  tp_cache: str | os.PathLike | None = None, **engine):
-        options = _with_whole_experts(engine_options(options, engine))
+        options = engine_options(options, engine)
         self.device = join_group(device)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         exported = check_same_store(store, self.size)
@@ -54,8 +57,14 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
         layout = rank_layout(store, build_meta_model(store, options.compute_dtype, self.device), self.rank, self.size)
         view = exported_view(store, layout, self.rank, self.size) if exported else None
         self.share_bytes_read = 0   # read from the store's files to write the rank's own (rankstore.py)
+        on_demand = options.experts == "on_demand"
+        # experts on demand: this rank's, read from the store's expert files as the router picks them
+        mine = ExpertSource(store, range(layout.experts.first, layout.experts.first + layout.experts.count))
+        if on_demand:
+            served_experts(mine)   # refused here, before the rank writes its folder
         if view is None:
-            view, self.share_bytes_read = rank_folder(store, layout, self.rank, self.size, fingerprint(store), tp_cache)
+            view, self.share_bytes_read = rank_folder(store, layout, self.rank, self.size, fingerprint(store), tp_cache,
+                                                      experts=not on_demand)
         self.rank_store = view
         self._hooks: list = []
 
@@ -65,7 +74,9 @@ class TensorParallelModel(TransformersHabits, WrapsModel):
             # MoE: this rank's whole experts, the picks of the others sent nowhere (experts.py)
             self._hooks += RankExperts(model, WeightMapper(model), store, self.rank, self.size).localize()
 
-        self._streaming = StreamingModel(view, options, device=self.device, shape_model=split)
+        self._streaming = StreamingModel(view, options, device=self.device, shape_model=split,
+                                         experts_from=mine if on_demand else None)
+        self.experts = self._streaming.experts
         self.model = self._streaming.model
         self._hooks += _add_collectives(self.model, layout.roles, self.rank, self.size)
 
@@ -242,13 +253,5 @@ def _vocabulary_lookup(start: int, stop: int) -> tuple[Callable, Callable]:
 def open_tensor_parallel(open_store: Callable[[], Store], device: str | torch.device, options: EngineOptions,
                          tp_cache: str | os.PathLike | None = None) -> TensorParallelModel:
     """Join the group, open (or convert) the store once per machine, then build this rank's model."""
-    _with_whole_experts(options)   # refused before the group is joined
     join_group(device)
     return TensorParallelModel(each_machine_once(open_store), options, device=device, tp_cache=tp_cache)
-
-
-def _with_whole_experts(options: EngineOptions) -> EngineOptions:
-    """`options`, for a rank: it holds whole experts with their blocks (experts.py), none read on demand."""
-    if options.experts != "with_block":
-        raise InvalidOption(f"experts={options.experts!r} cannot be combined with tensor_parallel=True; leave it out.")
-    return options

@@ -13,7 +13,8 @@ giving the share's shape (quantized shares as codes, see reading.py). Two source
   checksum and renamed, the folder's manifest saved after every part, so a killed rank resumes where
   it stopped. The folder is `<store>/tp/rank_<r>_of_<n>` (or under `tp_cache`, by the store's fingerprint),
   one per rank: two ranks of one machine never write the same file. An MoE rank's folder holds its
-  whole experts too (from the part files, fused expert tensors or the expert files placed on tiers).
+  whole experts too (from the part files, fused expert tensors or the expert files placed on tiers), but
+  where it reads them on demand (experts='on_demand'): then they stay in the store's expert files.
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ def encode_rank_part(store: Store, part: str, layout: RankLayout, reader: ShareR
 
 
 def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerprint: str,
-                tp_cache: str | os.PathLike | None = None) -> tuple[Store, int]:
+                tp_cache: str | os.PathLike | None = None, experts: bool = True) -> tuple[Store, int]:
     """The rank's own store, written where missing (see the module docstring); and the bytes read from
-    the store's part files to write it (0 when it was there)."""
-    folder = (Path(tp_cache) / fingerprint[:16] if tp_cache else store.root / "tp") / f"rank_{rank}_of_{size}"
-    origin = {"store": fingerprint, "rank": rank, "size": size, "layout": LAYOUT_VERSION}
+    the store's part files to write it (0 when it was there). `experts=False`: without the MoE experts, which
+    the rank reads on demand from the store's own expert files (a folder of its own, `..._experts_apart`)."""
+    name = f"rank_{rank}_of_{size}" + ("" if experts else "_experts_apart")
+    folder = (Path(tp_cache) / fingerprint[:16] if tp_cache else store.root / "tp") / name
+    origin = {"store": fingerprint, "rank": rank, "size": size, "layout": LAYOUT_VERSION,
+              **({} if experts else {"experts": "apart"})}
     manifest = _resumable(folder, origin)
     if manifest is not None and manifest.complete:
         return Store(folder, manifest), 0
@@ -122,7 +126,7 @@ def rank_folder(store: Store, layout: RankLayout, rank: int, size: int, fingerpr
     for part in store.parts:
         if part in manifest.parts:
             continue
-        encoded = encode_rank_part(store, part, layout, reader)
+        encoded = encode_rank_part(store, part, layout, reader, experts)
         name = part_file(part)
         digest = write_encoded(folder / name, encoded)
         manifest.files[name] = FileRecord(size=encoded.size, xxh3_128=digest)

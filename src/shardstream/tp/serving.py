@@ -74,6 +74,11 @@ class GroupCalls(WrapsModel):
     def store(self):
         return self.model.store
 
+    @property
+    def experts(self):
+        """Rank 0's experts read on demand (None: held with the blocks), which /health reports."""
+        return self.model.experts
+
     def __call__(self, *args, **kwargs):
         return self._run("forward", args, kwargs)
 
