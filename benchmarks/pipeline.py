@@ -29,6 +29,7 @@ import json
 import re
 import math
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -322,11 +323,12 @@ def shape_prompt() -> torch.Tensor:
 
 class OneProcess:
     """One process streaming `store` under memcap `cap` (cold), loaded and warmed up, that makes one greedy
-    generate() call of `tokens` new tokens each time `call()` is called, the pipeline's calls in between."""
+    generate() call of `tokens` new tokens each time `call()` is called, the pipeline's calls in between. A
+    load or a call that takes longer than `timeout` seconds stops it (SIGTERM, which memcap passes on)."""
 
-    def __init__(self, store: Path, cap: str, tokens: int, log: Path):
+    def __init__(self, store: Path, cap: str, tokens: int, log: Path, timeout: float = 1800):
         code = SINGLE % ", ".join(map(str, shape_prompt()[0].tolist()))
-        self.log = log
+        self.log, self.timeout = log, timeout
         words, word = os.pipe()
         self.process = subprocess.Popen([str(MEMCAP), cap, "--cold", str(store), "--", sys.executable, "-c", code, str(store),
                                          str(tokens), str(words)], stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
@@ -335,7 +337,16 @@ class OneProcess:
         self.words = os.fdopen(word, "w")
         self.times: list[float] = []
         self.result: dict | None = None
-        self.alive = bool(self.process.stdout.readline())   # loaded and warmed up, or gone
+        self.timed_out = False
+        self.alive = bool(self._line())   # loaded and warmed up, or gone
+
+    def _line(self) -> str:
+        """Its next line of output; "" once it has exited, or after `timeout` seconds (it is then stopped)."""
+        if not select.select([self.process.stdout], [], [], self.timeout)[0]:
+            self.timed_out = True
+            self.process.terminate()
+            return ""
+        return self.process.stdout.readline()
 
     def call(self) -> None:
         if not self.alive:
@@ -343,10 +354,10 @@ class OneProcess:
         try:
             self.words.write("go\n")
             self.words.flush()
-            line = self.process.stdout.readline()
+            line = self._line()
         except BrokenPipeError:
             line = ""
-        if not line:   # it died: finish() says how
+        if not line:   # it died or hung: finish() says how
             self.alive = False
             return
         self.result = json.loads(line)
@@ -359,6 +370,8 @@ class OneProcess:
         code = self.process.wait(timeout=600)
         stderr = self.log.read_text()
         peak = re.search(r"memcap: limit \S+, peak ([^,\s]+)", stderr)
+        if self.timed_out:
+            return f"timeout ({self.timeout:.0f} s)"
         if code != 0 or not self.times:
             return "killed (out of memory)" if code in (-9, 137) else f"failed: {stderr.strip()[-200:]}"
         return {**self.result, "step": statistics.median(self.times), "peak": peak.group(1) if peak else "?"}
