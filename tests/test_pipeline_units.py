@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardstream import quant
 from shardstream.convert import convert
 from shardstream.errors import PlanInfeasible
 from shardstream.pipeline.costs import model_cost

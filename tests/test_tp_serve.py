@@ -47,7 +47,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
 
-def _llama_store(folder: Path, family: str = "llama"):
+def _tiny_store(folder: Path, family: str = "llama"):
     """The tiny model of the other tests (llama, or another family of tiny_models.py) with a longer context;
     (store, reference, tokenizer)."""
     settings = {**COMMON, **CONFIGS[family], "max_position_embeddings": CONTEXT}
@@ -108,7 +108,7 @@ class Ranks:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return _llama_store(tmp_path_factory.mktemp("tp-serve"))
+    return _tiny_store(tmp_path_factory.mktemp("tp-serve"))
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_ranks_serving_experts_on_demand_answer_transformers_greedy_text(tmp_pat
     """`serve --tensor-parallel --experts on-demand` on a Mixtral whose experts are placed apart: each rank reads
     its own experts as the router picks them; concurrent requests get transformers' greedy text, and /health
     says what rank 0's experts read."""
-    store, reference, tokenizer = _llama_store(tmp_path, "mixtral")
+    store, reference, tokenizer = _tiny_store(tmp_path, "mixtral")
     place_experts(open_store(store), {"hot": "."})
     served = Ranks(store, tmp_path / "serve.log", "--experts", "on-demand", "--max-batch-size", "4",
                    "--model-name", "tiny", "--tp-cache", str(tmp_path / "cache"))
