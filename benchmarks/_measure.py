@@ -1,4 +1,5 @@
-"""Measuring helpers shared by the benchmarks: cold caches, RSS, peak disk, raw disk speed, tables.
+"""Measuring helpers shared by the benchmarks: cold caches, RSS, a memcap cgroup's peak, peak disk, raw disk
+speed, tables.
 
 Standard library only, so that a benchmark can run its children under another interpreter (a
 throwaway venv holding a competitor) and still import this module.
@@ -42,6 +43,23 @@ def evict(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def cgroup_peak(reset: bool = False) -> int | None:
+    """Peak bytes of the memcap cgroup this process runs in so far (page cache included), None outside one;
+    `reset` starts the peak again from the current usage (cgroup v1, or v2 on Linux 6.12+)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        v1 = "memory" in controllers.split(",")
+        if v1 or (number == "0" and not controllers):
+            file = (Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.max_usage_in_bytes" if v1
+                    else Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.peak")
+            if file.exists() and "/memcap-" in path:
+                peak = int(file.read_text())
+                if reset:
+                    file.write_text("0")
+                return peak
+    return None
 
 
 def disk_usage(path: Path) -> int:

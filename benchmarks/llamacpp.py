@@ -12,7 +12,8 @@ llama-quantize to Q8_0 and Q4_0. Where llama.cpp cannot be built (no cmake or co
 sdist), its rows say "not run: <why>" and the rest of the table is still measured.
 
 Each setting runs in its own process under `memcap LIMIT --cold FILES` (its model files evicted from the
-page cache first; the cgroup's peak, page cache included, is the peak reported): sections
+page cache first; the cgroup's peak, page cache included, is the peak reported, in MiB as the run reads it
+from its cgroup when it ends, or memcap's figure, rounded up to a tenth of a GiB, where it could not): sections
 - memory: LIMIT is the machine's memory, i.e. no cap, only the peak measured;
 - capped: LIMIT --cap, by default the shape's scenario of docs/BENCHMARKS.md (1200M for llama-3.2-1b, 2000M
   for qwen3-30b-a3b as in benchmarks/moe.py).
@@ -58,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llamacpp  # noqa: E402
 import moe  # noqa: E402
-from _measure import cpu_model, evict, markdown_table  # noqa: E402
+from _measure import cgroup_peak, cpu_model, evict, markdown_table  # noqa: E402
 from stream import CAPS, MEMCAP, build, quantized_store  # noqa: E402
 from real_shapes import SHAPES, checkpoint_bytes, shape_config  # noqa: E402  (stream put scripts/ on the path)
 
@@ -159,7 +160,7 @@ def shardstream_run(args) -> dict:
         model.generate(long_prompt, attention_mask=torch.ones_like(long_prompt), max_new_tokens=1, do_sample=False)
         prefill = args.prefill_tokens / (time.perf_counter() - started)
     result = {"decode": decode, "prefill": prefill, "computes": str(model.model.dtype).removeprefix("torch."),
-              "decode_read": decode_read}
+              "decode_read": decode_read, "peak_bytes": cgroup_peak()}
     if experts:
         result["served"] = hits / (hits + misses) if hits + misses else 0.0
     model.close()
@@ -249,6 +250,13 @@ def mib(iec: str) -> float:
     return float(number) * {"K": 1 / 1024, "M": 1, "G": 1024, "": 1 / 2**20}[unit]
 
 
+def with_peak(result: dict, memcap_peak: str) -> dict:
+    """`result` with "peak" in MiB: the cgroup's own count its run read at the end ("peak_bytes"), else memcap's
+    figure, which it rounds up to a tenth of a GiB."""
+    exact = result.pop("peak_bytes", None)
+    return {**result, "peak": exact / 2**20 if exact else mib(memcap_peak)}
+
+
 def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
     """One run of one setting in one section: {"decode", "prefill", "peak", "decode_read"[, "computes", "served"]},
     or why there is none."""
@@ -260,13 +268,13 @@ def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
         command = _llamacpp.bench_command(llama["bin"], model, setting.mmap, args.prompt, args.new_tokens,
                                           args.prefill_tokens, setting.repack)
         ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout)
-        return {**_llamacpp.bench_result(ran[0]), "peak": ran[1]} if isinstance(ran, tuple) else ran
+        return with_peak(_llamacpp.bench_result(ran[0]), ran[1]) if isinstance(ran, tuple) else ran
     command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
                "--layers", str(args.layers), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", args.decode_tokens,
                *(["--mask-bf16"] if args.mask_bf16 else [])]
     ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout, MASK_ENV if args.mask_bf16 else None)
-    return {**json.loads(ran[0].strip().splitlines()[-1]), "peak": ran[1]} if isinstance(ran, tuple) else ran
+    return with_peak(json.loads(ran[0].strip().splitlines()[-1]), ran[1]) if isinstance(ran, tuple) else ran
 
 
 # -- the tables -----------------------------------------------------------------------------------
@@ -284,9 +292,9 @@ def cell(runs: list[dict], key: str, digits: int = 2) -> str:
     if key == "served":
         values = [r[key] for r in runs if key in r]
         return f"{statistics.median(values):.1%}" + (f" ({'/'.join(f'{v:.1%}' for v in values)})" if len(values) > 1 else "") if values else ""
-    values = [mib(r[key]) if key == "peak" else r[key] for r in runs]
+    values = [r[key] for r in runs]
     if key == "peak":
-        return f"{statistics.median(values):.0f} MiB" + (f" ({'/'.join(r['peak'] for r in runs)})" if len(runs) > 1 else "")
+        return f"{statistics.median(values):.0f} MiB" + (f" ({'/'.join(f'{v:.0f}' for v in values)})" if len(runs) > 1 else "")
     spread = f" ({'/'.join(f'{v:.{digits}f}' for v in values)})" if len(values) > 1 else ""
     return f"{statistics.median(values):.{digits}f}{spread}"
 
@@ -297,7 +305,7 @@ def ratio_cell(ours: list[dict | str], theirs: list[dict | str], key: str) -> st
     pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, dict) and isinstance(b, dict)]
     if not pairs:
         return f"shardstream {failure(ours)}" if failure(ours) else f"llama.cpp {failure(theirs)}"
-    values = [(mib(a[key]) / mib(b[key])) if key == "peak" else a[key] / b[key] for a, b in pairs]
+    values = [a[key] / b[key] for a, b in pairs]
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 

@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from _measure import cpu_model, cpu_times, evict, markdown_table, stolen_share  # noqa: E402
+from _measure import cgroup_peak, cpu_model, cpu_times, evict, markdown_table, stolen_share  # noqa: E402
 from real_shapes import SHAPES, shape_config, write_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,23 +139,6 @@ def open_backend(mode: str, ckpt: Path, store: Path, work: Path, dtype):
 
         return AirLLMModel.from_pretrained(str(ckpt), device="cpu", layer_shards_saving_path=str(work / "airllm-layers"))
     raise SystemExit(f"unknown mode {mode}")
-
-
-def cgroup_peak(reset: bool = False) -> int | None:
-    """Peak bytes of the memcap cgroup this process runs in so far (page cache included), None outside one;
-    `reset` starts the peak again from the current usage (cgroup v1, or v2 on Linux 6.12+)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        number, controllers, path = line.split(":", 2)
-        v1 = "memory" in controllers.split(",")
-        if v1 or (number == "0" and not controllers):
-            file = (Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.max_usage_in_bytes" if v1
-                    else Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.peak")
-            if file.exists() and "/memcap-" in path:
-                peak = int(file.read_text())
-                if reset:
-                    file.write_text("0")
-                return peak
-    return None
 
 
 def weights_path(model, streaming: bool) -> str:

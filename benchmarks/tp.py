@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stream as reference  # noqa: E402  (the reference model and the memcap helpers)
-from _measure import cpu_model, evict, markdown_table  # noqa: E402
+import stream as reference  # noqa: E402  (the reference model and memcap)
+from _measure import cgroup_peak, cpu_model, evict, markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -166,7 +166,7 @@ def run_rank(args, store: Path) -> dict:
     loaded = model.bytes_read
     result = {"rank": model.rank, "bytes_loaded": loaded, **decode(model, args, clock),
               "bare_ms": bare_latency(model.config.hidden_size, model.config.vocab_size),
-              "anon_mib": anon_mib(), "cgroup_peak_mib": (reference.cgroup_peak() or 0) >> 20}
+              "anon_mib": anon_mib(), "cgroup_peak_mib": (cgroup_peak() or 0) >> 20}
     model.close()
     return result
 
@@ -180,7 +180,7 @@ def run_single(args, store: Path) -> dict:
     torch.set_num_threads(1)
     model = AutoModel.from_pretrained(store, progress=False, **resident_option(args))
     result = {**decode(model, args), "resident": len(model.resident_blocks), "anon_mib": anon_mib(),
-              "cgroup_peak_mib": (reference.cgroup_peak() or 0) >> 20}
+              "cgroup_peak_mib": (cgroup_peak() or 0) >> 20}
     model.close()
     return result
 

@@ -4,10 +4,15 @@ what they do not know by name."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from test_serving_serve_memory import MEMCAP, _memcap_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "llamacpp.py"
@@ -133,3 +138,33 @@ def test_llama_bench_reads_are_counted_from_its_generation_run(tmp_path):
     result = bench_result(run.stdout)
     assert result["prefill"] == 50.0 and result["decode"] == 5.0 and result["decode_read"] >= 0
     assert bench_result('[{"n_gen": 16, "avg_ts": 5.0}]') == {"decode": 5.0}
+
+
+def test_the_peak_is_the_cgroups_own_count_where_the_run_read_it_and_memcaps_figure_otherwise():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llamacpp import with_peak
+
+    assert with_peak({"decode": 1.0, "peak_bytes": 3 << 29}, "1.6G") == {"decode": 1.0, "peak": 1536.0}
+    assert with_peak({"decode": 1.0, "peak_bytes": None}, "1.6G") == {"decode": 1.0, "peak": 1638.4}
+    assert with_peak({"decode": 1.0}, "845M") == {"decode": 1.0, "peak": 845.0}
+
+
+@pytest.mark.skipif(_memcap_missing() is not None, reason=_memcap_missing() or "")
+def test_a_run_under_memcap_reads_its_cgroups_peak_to_the_byte(tmp_path):
+    """`_llamacpp.py` under the real memcap, with a stand-in for llama-bench that fills 64 MiB: the report's
+    peak is the cgroup's count in bytes, within what memcap prints rounded up to a tenth of a GiB or a MiB."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    f"{sys.executable} -c 'b = bytearray(64 << 20)'\n"
+                    "echo '[{\"n_gen\": 16, \"avg_ts\": 5.0}]'\n")
+    fake.chmod(0o755)
+    run = subprocess.run([str(MEMCAP), "1G", "--", sys.executable, str(ROOT / "benchmarks" / "_llamacpp.py"), str(fake)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    peak = json.loads(run.stdout)["peak_bytes"]
+    assert 64 << 20 < peak < 1 << 30, peak
+    printed = re.search(r"peak (\S+),", run.stderr)[1]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llamacpp import mib
+
+    assert peak / 2**20 <= mib(printed) < peak / 2**20 + 102.4, (peak, printed)

@@ -1,4 +1,4 @@
-"""The batch engine's pass allocator (serving/pass_memory.py): within a pass, large blocks freed are
+"""The engine's pass allocator (serving/pass_memory.py): within a pass, large blocks freed are
 reused by later allocations; at the end of the pass they go back to the system; outside passes
 nothing is kept. Each check runs in a fresh process, since the allocator is installed process-wide."""
 
@@ -104,3 +104,55 @@ def test_the_engine_gives_the_same_tokens_without_a_compiler(tmp_path):
     assert any("SHARDSTREAM_PASS_MEMORY=0" in line for line in switched_off["log"]), switched_off["log"]
     assert not unwritable["installed"]
     assert any("cannot write to" in line for line in unwritable["log"]), unwritable["log"]
+
+
+STREAMING = """
+import json, os, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from tiny_models import tiny_config
+from shardstream import AutoModel
+from shardstream.convert import convert
+from shardstream.serving import pass_memory
+folder = Path(os.environ["FOLDER"])
+torch.manual_seed(0)
+config = tiny_config("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=3, max_position_embeddings=512)
+reference = AutoModelForCausalLM.from_config(config).eval()
+reference.save_pretrained(folder / "ckpt")
+convert(folder / "ckpt", folder / "store", progress=False)
+model = AutoModel.from_pretrained(folder / "store")
+ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))   # 1.6 MiB MLP temporaries
+with torch.no_grad():
+    logits = model(ids).logits
+    expected = reference(ids).logits
+out = {"installed": pass_memory._installed is not None, "reused": pass_memory.reused_blocks(),
+       "max_diff": (logits - expected).abs().max().item()}
+
+def fail(module, args):
+    raise RuntimeError("a pass that fails inside")
+
+hook = model.model.model.layers[1].register_forward_pre_hook(fail)
+try:
+    model(ids)
+except RuntimeError as error:
+    out["error"] = str(error)
+hook.remove()
+before = pass_memory.reused_blocks()
+first = torch.ones(1 << 20)
+del first
+second = torch.empty(1 << 20)
+out["reused_after_the_failed_pass"] = pass_memory.reused_blocks() - before
+print(json.dumps(out))
+"""
+
+
+@needs_compiler
+def test_a_streaming_model_runs_its_passes_on_the_allocator_and_a_failed_pass_ends(tmp_path):
+    """`AutoModel.from_pretrained` on the CPU, called directly (no batch engine): a prefill's large temporaries
+    are reused within its pass, the logits are transformers' own, and a pass that raises still ends (nothing
+    is kept outside it)."""
+    out = _run(STREAMING, XDG_CACHE_HOME=str(tmp_path / "cache"), FOLDER=str(tmp_path))
+    assert out["installed"] and out["reused"] > 0, out
+    assert out["max_diff"] <= 1e-5, out
+    assert out["error"] == "a pass that fails inside"
+    assert out["reused_after_the_failed_pass"] == 0, out

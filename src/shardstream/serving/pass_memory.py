@@ -1,8 +1,8 @@
 """Large activations reused within a forward pass, instead of mapped anew for every operation.
 
-The batch engine has glibc map every allocation of 1 MiB or more on its own
-(`admission.map_large_allocations`), so that freed memory goes back to the system and admission
-measures what is really left. The price is paid by every fresh activation of a prefill pass: the
+The engine (the streaming model, and the batch engine over it) has glibc map every allocation of 1 MiB
+or more on its own (`admission.map_large_allocations`), so that freed memory goes back to the system
+and admission measures what is really left. The price is paid by every fresh activation of a prefill pass: the
 kernel faults it in and zeroes it, a large share of a prefill pass. glibc's heap would reuse the
 memory, but it puts each layer's activations in new places, so a pass's peak outgrows what admission
 planned, and no caching allocator (jemalloc, tcmalloc, mimalloc) installs from the package registry.
@@ -52,15 +52,23 @@ def install() -> bool:
 def reusing() -> Iterator[None]:
     """One forward pass: large blocks freed inside are reused inside, and freed when it ends (a no-op
     until `install`)."""
-    library = _installed
-    if library is None:
-        yield
-        return
-    library.pass_memory_begin()
+    begin()
     try:
         yield
     finally:
-        library.pass_memory_end()
+        end()
+
+
+def begin() -> None:
+    """A forward pass begins (`reusing`, for a pass whose end is seen elsewhere: a module's forward hooks)."""
+    if _installed is not None:
+        _installed.pass_memory_begin()
+
+
+def end() -> None:
+    """The pass `begin` began has ended; the last one running frees the kept blocks."""
+    if _installed is not None:
+        _installed.pass_memory_end()
 
 
 def reused_blocks() -> int:

@@ -21,7 +21,8 @@ from transformers import PreTrainedModel
 from ..errors import DraftMismatch, InsufficientMemory, InvalidOption, StoreIncomplete, UnsupportedModel
 from ..memory import available_memory
 from ..quant import QuantizedTensor
-from ..serving.admission import Shape, prefill_chunk, room
+from ..serving import pass_memory
+from ..serving.admission import Shape, map_large_allocations, prefill_chunk, room
 from ..serving.text import check_context
 from ..store import Store
 from .attention import attention_kernels
@@ -162,6 +163,13 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True)]
+        if self.device.type == "cpu":
+            # A pass's temporaries go back to the system when it ends, not into glibc's heap, where a prefill's
+            # are scattered layer after layer and the process keeps the high-water mark (pass_memory.py).
+            map_large_allocations()
+            pass_memory.install()
+            self._hooks += [self.model.register_forward_pre_hook(lambda module, args: pass_memory.begin()),
+                            self.model.register_forward_hook(lambda module, args, out: pass_memory.end(), always_call=True)]
         piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
                                          prefetch_depth if options.prefetching else None, self._released, self._settle,
