@@ -195,15 +195,23 @@ def test_an_idle_engine_prefills_a_burst_in_one_pass_and_chunks_beside_decoding(
     decoding, the newcomer's 10 tokens go in chunks of 8 (4 rows x 2 columns would stall it longer)."""
     reference = tiny_model("llama")
     passes: list[tuple[int, int]] = []   # (rows, columns) of every pass, prefill and decode, in order
-    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8,
-                     on_pass=lambda rows, columns: passes.append((rows, columns))) as engine:
+    newcomer_in, gated = threading.Event(), []
+
+    def on_pass(rows: int, columns: int) -> None:
+        passes.append((rows, columns))
+        if gated and len(passes) > 1:   # the running sequence's decode steps wait for the newcomer to be submitted,
+            newcomer_in.wait(60)         # however the threads are scheduled: it is still decoding when it comes
+
+    with BatchEngine(reference, eos_token_ids=set(), pad_token_id=0, prefill_chunk_tokens=8, on_pass=on_pass) as engine:
         burst = [engine.submit(_prompt(10, i), SamplingParams(max_new_tokens=3)) for i in range(4)]
         assert [_tokens(s)[0] for s in burst] == [_alone(reference, _prompt(10, i), 3) for i in range(4)]
         assert passes[0] == (4, 10) and len(passes) == 3   # one prefill pass, two decode steps
         passes.clear()
+        gated.append(True)
         running = engine.submit(_prompt(4, 9), SamplingParams(max_new_tokens=12))
         next(iter(running))
         newcomer = engine.submit(_prompt(10, 8), SamplingParams(max_new_tokens=2))
+        newcomer_in.set()
         assert _tokens(newcomer)[0] == _alone(reference, _prompt(10, 8), 2)
         assert [shape for shape in passes if shape[0] == 1 and shape[1] > 1] == [(1, 4), (1, 8), (1, 2)]
 

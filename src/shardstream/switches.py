@@ -43,7 +43,7 @@ INT4_KERNEL = Switch("SHARDSTREAM_INT4_KERNEL", "1", "`0`: int4 weights are dequ
                      "multiplied with int8 dot products")
 TRITON = Switch("SHARDSTREAM_TRITON", "1", "`0`: on a GPU, 4-bit and 8-bit weights are dequantized instead of "
                 "multiplied from their codes by the Triton kernel")
-PASS_MEMORY = Switch("SHARDSTREAM_PASS_MEMORY", "1", "`0`: a batch pass maps its large activations anew for every "
+PASS_MEMORY = Switch("SHARDSTREAM_PASS_MEMORY", "1", "`0`: a pass maps its large activations anew for every "
                      "operation instead of reusing them within the pass")
 COPY_AHEAD = Switch("SHARDSTREAM_COPY_AHEAD", "1", "`0`: on a GPU, streamed pieces are copied to it on the reader "
                     "threads, not queued on a copy stream ahead of their use")
