@@ -96,7 +96,7 @@ def test_an_moe_shape_takes_its_own_cap_and_gguf_types_and_reports_its_expert_ca
 
 def test_gguf_types_left_out_leave_their_stores_without_a_peer():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from llamacpp import capped, default_cap, is_moe, settings
+    from llamacpp import default_cap, is_moe, settings
 
     ordered = [(s.runtime, s.kind, s.mmap) for s in settings(["none", "8bit", "4bit"], "memory", ("bf16", "q4_0"))]
     assert ordered == [("llama.cpp", "bf16", True), ("shardstream", "none", True), ("llama.cpp", "q4_0", True),
