@@ -2,10 +2,11 @@
 
 The engine (the streaming model, and the batch engine over it) has glibc map every allocation of 1 MiB
 or more on its own (`admission.map_large_allocations`), so that freed memory goes back to the system
-and admission measures what is really left. The price is paid by every fresh activation of a prefill pass: the
-kernel faults it in and zeroes it, a large share of a prefill pass. glibc's heap would reuse the
-memory, but it puts each layer's activations in new places, so a pass's peak outgrows what admission
-planned, and no caching allocator (jemalloc, tcmalloc, mimalloc) installs from the package registry.
+and admission measures what is really left. The price is paid by every fresh activation of a prefill
+pass: the kernel faults it in and zeroes it, a large share of a prefill pass. glibc's heap would reuse
+the memory, but it puts each layer's activations in new places, so a pass's peak outgrows what
+admission planned, and no caching allocator (jemalloc, tcmalloc, mimalloc) installs from the package
+registry.
 
 So the engine replaces torch's CPU allocator with a small one (`pass_memory.cpp`): during a pass, a
 freed block of 1 MiB or more is kept for the next allocation it fits (a model's layers allocate the

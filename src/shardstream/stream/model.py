@@ -162,14 +162,16 @@ class StreamingModel(TransformersHabits, WrapsModel):
                              auto=options.max_expert_memory == "auto")
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
-        self._hooks = [self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True)]
+        self._hooks = []
         if self.device.type == "cpu":
             # A pass's temporaries go back to the system when it ends, not into glibc's heap, where a prefill's
-            # are scattered layer after layer and the process keeps the high-water mark (pass_memory.py).
+            # are scattered layer after layer and the process keeps the high-water mark (pass_memory.py). The
+            # pass begins before any other pre-hook runs: the end hook runs even when one of them raises.
             map_large_allocations()
             pass_memory.install()
             self._hooks += [self.model.register_forward_pre_hook(lambda module, args: pass_memory.begin()),
                             self.model.register_forward_hook(lambda module, args, out: pass_memory.end(), always_call=True)]
+        self._hooks.append(self.model.register_forward_pre_hook(self._count_pass, with_kwargs=True))
         piece_keys = [(k, i) for k in streamed for i in range(len(self.pieces[k]))]
         self._streaming = StreamedBlocks(blocks, self._slots, streamed, self._loader.load_piece,
                                          prefetch_depth if options.prefetching else None, self._released, self._settle,
