@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..errors import InvalidOption, UnsupportedModel
 from ..store import Store
 from .compute_dtype import resolve_compute_dtype
+from .gated_mlp import use_lean_mlps
 from .linear import use_streaming_layers
 from .weights import parameters_on_meta
 
@@ -39,6 +40,7 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
             f"{store.config.get('model_type')!r} ({error}); use a text-generation model."
         ) from None
     use_streaming_layers(model)
+    use_lean_mlps(model)
     return model.eval()
 
 
