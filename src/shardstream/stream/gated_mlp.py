@@ -63,10 +63,10 @@ def _in_place(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _piece_rows(self, x: torch.Tensor) -> int:
-    """Rows whose intermediate fits PIECE_BYTES where every projection multiplies through the engine's kernels
-    and no hook counts its calls; else all of them."""
-    if any(getattr(p, "packed", None) is None or p._forward_pre_hooks or p._forward_hooks
-           for p in (self.gate_proj, self.up_proj, self.down_proj)):
+    """Rows whose intermediate fits PIECE_BYTES where every projection multiplies through the engine's CPU
+    kernels and no hook counts its calls; else all of them."""
+    if x.device.type != "cpu" or any(getattr(p, "packed", None) is None or p._forward_pre_hooks or p._forward_hooks
+                                     for p in (self.gate_proj, self.up_proj, self.down_proj)):
         return x.numel()
     return max(1, PIECE_BYTES // (self.gate_proj.out_features * x.element_size()))
 
