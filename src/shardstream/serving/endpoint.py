@@ -119,4 +119,7 @@ def read_template(path: Path | None) -> str | None:
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """`line` to stderr in one write: tensor-parallel ranks share their launcher's stderr, and a line
+    written apart from its newline (print's two writes, unbuffered) can run into another rank's."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
