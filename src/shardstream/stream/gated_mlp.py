@@ -2,8 +2,9 @@
 
 transformers' gated MLP (Llama's, Mistral's, Qwen2's, Qwen3's and some 130 more families share the one
 line `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) holds three rows x intermediate tensors at once: the
-activation, the up projection and their product. They are a prefill's largest temporaries (a 512-token
-prompt of a 1B model: 16 MiB each in float32). The engine's MLP does two things instead:
+activation, the up projection and their product. They are a prefill's largest temporaries
+(docs/BENCHMARKS.md, "Beside llama.cpp on the CPU", has their sizes and the peaks). The engine's MLP does two
+things instead:
 - it multiplies the up projection into the activation in place: two tensors, the same bits (the same
   elementwise product, written into the activation's memory). Where autograd records the pass (a tensor
   involved requires grad) the product is a new tensor, as an in-place write would spoil what backward needs;
@@ -42,7 +43,7 @@ def lean_forward(self, x: torch.Tensor) -> torch.Tensor:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, its product written into the activation, a piece of
     rows at a time (see the module docstring)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    piece = _piece_rows(self, x)
+    piece = _piece_rows(self, x, rows)
     if rows <= piece:
         return _in_place(self, x)
     flat = x.reshape(rows, x.shape[-1])
@@ -62,12 +63,12 @@ def _in_place(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(hidden)
 
 
-def _piece_rows(self, x: torch.Tensor) -> int:
+def _piece_rows(self, x: torch.Tensor, rows: int) -> int:
     """Rows whose intermediate fits PIECE_BYTES where every projection multiplies through the engine's CPU
-    kernels and no hook counts its calls; else all of them."""
+    kernels and no hook counts its calls; else all `rows`."""
     if x.device.type != "cpu" or any(getattr(p, "packed", None) is None or p._forward_pre_hooks or p._forward_hooks
                                      for p in (self.gate_proj, self.up_proj, self.down_proj)):
-        return x.numel()
+        return rows
     return max(1, PIECE_BYTES // (self.gate_proj.out_features * x.element_size()))
 
 
