@@ -9,7 +9,9 @@ benchmarks/stream.py measures it), then each store and each cache setting (`--ca
 under `memcap CAP --cold STORE`:
 - frequency: the default cache (experts kept by decayed routing counts, expert_cache.py),
 - lru: the same budget kept by recency alone (half-life 0),
-- none: `max_expert_memory=0`, every routed expert read on every pass.
+- none: `max_expert_memory=0`, every routed expert read on every pass;
+and each with the reads ahead of the router on and off (`--guesses on,off`: the next block's likely experts
+read while this one runs, stream/experts.py; off, every read waits for its router).
 The cache's budget is one eighth of the store's experts' bytes (`max_expert_memory`), the cap holds it and
 everything else. A `--prompt`-token random prompt repeated 4 times, then `--new-tokens` greedy decode steps
 with the KV cache. Reported per decode step: bytes read (the streamed blocks without their experts, the
@@ -44,10 +46,11 @@ def build(args) -> dict[str, Path]:
     from shardstream.shard import place_experts
     from shardstream.store import open_store
 
-    work = Path(args.workdir) / f"{args.shape}-l{args.layers}"
+    scaled = f"-r{args.residual_scale:g}" if args.residual_scale != 1 else ""
+    work = Path(args.workdir) / f"{args.shape}-l{args.layers}{scaled}"
     ckpt = work / "ckpt"
     if not (ckpt / "config.json").exists():
-        write_checkpoint(args.shape, ckpt, args.layers)
+        write_checkpoint(args.shape, ckpt, args.layers, residual_scale=args.residual_scale)
     stores = {}
     for kind in filter(None, args.stores.split(",")):
         store = work / f"store-{kind}"
@@ -59,7 +62,7 @@ def build(args) -> dict[str, Path]:
     return stores
 
 
-def run_one(store_path: Path, cache: str, args) -> dict:
+def run_one(store_path: Path, cache: str, guesses: str, args) -> dict:
     """One setting, in this (capped) process: prefill, then greedy decode steps; JSON on stdout."""
     import torch
 
@@ -74,6 +77,7 @@ def run_one(store_path: Path, cache: str, args) -> dict:
     budget = 0 if cache == "none" else expert_bytes // 8
     started = time.perf_counter()
     model = StreamingModel(store, experts="on_demand", max_expert_memory=budget)
+    model.experts.guessing = guesses == "on"
     load = time.perf_counter() - started
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, store.config["vocab_size"], (1, args.prompt), generator=generator).repeat(1, 4)
@@ -84,6 +88,8 @@ def run_one(store_path: Path, cache: str, args) -> dict:
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         blocks, experts_read, stats = model.bytes_read, model.experts.bytes_read, model.experts.cache.stats
         hits, misses = stats.hits, stats.misses
+        guessed = model.experts.guesses
+        made, right, wasted = guessed.made, guessed.right, guessed.wasted_bytes
         started = time.perf_counter()
         for _ in range(args.new_tokens):
             out = model(token, past_key_values=past, use_cache=True)
@@ -96,6 +102,8 @@ def run_one(store_path: Path, cache: str, args) -> dict:
             "block_bytes": (model.bytes_read - blocks) // steps, "expert_bytes": (model.experts.bytes_read - experts_read) // steps,
             "head_bytes": head, "hit_rate": (stats.hits - hits) / routings if routings else 0.0,
             "budget": model.experts.budget, "experts_total": expert_bytes, "resident": len(model.resident_blocks),
+            "guesses": guessed.made - made, "guessed_right": guessed.right - right,
+            "wasted_bytes": (guessed.wasted_bytes - wasted) // steps,
             "compute": str(model.model.dtype).removeprefix("torch.")}
 
 
@@ -108,8 +116,8 @@ def experts_bytes(store_path: Path) -> int:
     return sum(record.length for record in load_index(open_store(store_path)).experts.values())
 
 
-def child(args, store: Path, cache: str) -> dict | str:
-    command = [str(MEMCAP), args.cap, "--cold", str(store), "--", sys.executable, __file__, "--run", str(store), cache,
+def child(args, store: Path, cache: str, guesses: str) -> dict | str:
+    command = [str(MEMCAP), args.cap, "--cold", str(store), "--", sys.executable, __file__, "--run", str(store), cache, guesses,
                "--shape", args.shape, "--layers", str(args.layers), "--prompt", str(args.prompt),
                "--new-tokens", str(args.new_tokens)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -128,6 +136,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--stores", default="bf16,4bit", help="store kinds: bf16, 4bit, 8bit, int4")
     parser.add_argument("--caches", default="frequency,lru,none", help=f"cache settings: {', '.join(CACHES)}")
+    parser.add_argument("--guesses", default="on,off", help="reads ahead of the router: on, off or both")
+    parser.add_argument("--residual-scale", type=float, default=1.0,
+                        help="scale of the projections writing to the residual stream (scripts/real_shapes.py): "
+                             "below 1 each block changes the hidden state little, as in a trained model, so the next "
+                             "block's router, run on this block's hidden state, picks what it will pick")
     parser.add_argument("--cap", default="2000M", help="memcap limit, page cache included")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens, repeated 4 times")
     parser.add_argument("--new-tokens", type=int, default=200)
@@ -136,12 +149,12 @@ def main() -> None:
     parser.add_argument("--workdir", default="artifacts/bench-moe")
     parser.add_argument("--mask-bf16", action="store_true",
                         help="run every child as on a CPU without bf16 instructions (benchmarks/stream.py's switch)")
-    parser.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--run", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mask_bf16:
         os.environ.update(MASKED_BF16)   # inherited by every child
     if args.run:
-        print(json.dumps(run_one(Path(args.run[0]), args.run[1], args)))
+        print(json.dumps(run_one(Path(args.run[0]), args.run[1], args.run[2], args)))
         return
     stores = build(args)
     print(f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/moe.py', *sys.argv[1:]])}`; "
@@ -150,22 +163,26 @@ def main() -> None:
     for round_ in range(1, args.repeat + 1):
         for kind, store in stores.items():
             speed = child_speed(store, args)
-            for cache in args.caches.split(","):
-                result = child(args, store, cache)
-                print(f"round {round_} {kind} {cache}: {result}", file=sys.stderr, flush=True)
+            for cache, guesses in [(c, g) for c in args.caches.split(",") for g in args.guesses.split(",")]:
+                result = child(args, store, cache, guesses)
+                print(f"round {round_} {kind} {cache} guesses {guesses}: {result}", file=sys.stderr, flush=True)
                 if isinstance(result, str):
-                    rows.append([str(round_), kind, CACHES[cache], result] + [""] * 8)
+                    rows.append([str(round_), kind, CACHES[cache], guesses, result] + [""] * 10)
                     continue
                 per_token = result["block_bytes"] + result["expert_bytes"] + result["head_bytes"]
                 floor = speed / per_token
-                rows.append([str(round_), kind, CACHES[cache], f"{result['decode']:.2f}", f"{floor:.2f}",
+                rows.append([str(round_), kind, CACHES[cache], guesses, f"{result['decode']:.2f}", f"{floor:.2f}",
                              f"{result['decode'] / floor:.2f}x", f"{per_token / 1e6:.0f} ({result['expert_bytes'] / 1e6:.0f})",
-                             f"{result['hit_rate']:.1%}", f"{result['budget'] >> 20} / {result['experts_total'] >> 20}",
+                             f"{result['hit_rate']:.1%}", f"{result['guessed_right']} / {result['guesses']}",
+                             f"{result['wasted_bytes'] / 1e6:.0f}",
+                             f"{result['budget'] >> 20} / {result['experts_total'] >> 20}",
                              f"{speed / 1e9:.2f}", result["peak"], result["compute"]])
-    print(f"{args.shape} shape, {args.layers} blocks, random weights, under memcap {args.cap} (cold); a {args.prompt}-token "
+    scale = f" (the residual stream's writers scaled by {args.residual_scale:g})" if args.residual_scale != 1 else ""
+    print(f"{args.shape} shape, {args.layers} blocks, random weights{scale}, under memcap {args.cap} (cold); a {args.prompt}-token "
           f"prompt repeated 4 times, {args.new_tokens} greedy decode steps; {cpu_model()}.\n")
-    print(markdown_table(["round", "store", "expert cache", "decode tok/s", "floor tok/s", "/ floor",
-                          "MB read a step (of which experts)", "routings served from memory",
+    print(markdown_table(["round", "store", "expert cache", "reads ahead of the router", "decode tok/s", "floor tok/s",
+                          "/ floor", "MB read a step (of which experts)", "routings served from memory",
+                          "guesses right / made (decode)", "MB read a step for wrong guesses",
                           "cache budget / experts MiB", "cold read GB/s", "cgroup peak", "computes in"], rows))
 
 

@@ -60,6 +60,8 @@ SHAPES: dict[str, dict] = {
                           eos_token_id=151645, hidden_act="silu"),
 }
 STD = 0.02  # transformers' initializer_range: random logits neither flat nor saturated
+# the projections whose outputs a block adds to the residual stream (attention's, the MLP's, an expert's)
+WRITES_RESIDUAL = ("o_proj.weight", "down_proj.weight", "w2.weight")
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, list[int]]]:
@@ -136,22 +138,29 @@ def _shards(shapes: list[tuple[str, list[int]]], limit: int, itemsize: int) -> l
     return shards
 
 
-def _random(name: str, shape: list[int], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def _random(name: str, shape: list[int], dtype: torch.dtype, generator: torch.Generator,
+            residual_scale: float = 1.0) -> torch.Tensor:
     if len(shape) == 1 and name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
-    return torch.randn(shape, generator=generator, dtype=dtype).mul_(STD)
+    scale = residual_scale if name.endswith(WRITES_RESIDUAL) else 1.0
+    return torch.randn(shape, generator=generator, dtype=dtype).mul_(STD * scale)
 
 
 def write_checkpoint(shape: str, out: Path, layers: int | None = None, shard_bytes: int = 1 << 30,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, residual_scale: float = 1.0,
+                     **overrides) -> Path:
     """Write the checkpoint into `out` (made if missing; left as it is when its index is already there).
     `overrides` change config fields (e.g. tie_word_embeddings=False: the same widths with a head of its own)."""
-    return write_config_checkpoint({**shape_config(shape, layers), **overrides}, out, shard_bytes, dtype, seed)
+    return write_config_checkpoint({**shape_config(shape, layers), **overrides}, out, shard_bytes, dtype, seed,
+                                   residual_scale)
 
 
 def write_config_checkpoint(config: dict, out: Path, shard_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16,
-                            seed: int = 0) -> Path:
-    """The same for any config of these families (fields as in SHAPES): benchmarks size their own models."""
+                            seed: int = 0, residual_scale: float = 1.0) -> Path:
+    """The same for any config of these families (fields as in SHAPES): benchmarks size their own models.
+    `residual_scale` scales the projections that write to the residual stream (WRITES_RESIDUAL): below 1, each
+    block changes the hidden state little, as a trained model's blocks do, where at random init each block's
+    output outweighs the embedding it is added to."""
     out = Path(out)
     index_path = out / "model.safetensors.index.json"
     if index_path.exists():
@@ -163,7 +172,7 @@ def write_config_checkpoint(config: dict, out: Path, shard_bytes: int = 1 << 30,
     weight_map, total = {}, 0
     for number, shard in enumerate(shards, 1):
         file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _random(name, shp, dtype, generator) for name, shp in shard}
+        tensors = {name: _random(name, shp, dtype, generator, residual_scale) for name, shp in shard}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update({name: file_name for name in tensors})

@@ -506,8 +506,9 @@ def test_a_second_signal_stops_serve_at_once(endless, tmp_path):
 
 
 def test_health_reports_what_experts_on_demand_read_and_what_their_cache_saved(tmp_path):
-    """`serve --experts on-demand`: /health counts the expert files read and the routings served from memory;
-    the same request again reads fewer (the experts it routes to were kept)."""
+    """`serve --experts on-demand`: /health counts the expert files read, the routings served from memory and
+    the reads begun ahead of the router; the same request again reads fewer (the experts it routes to were
+    kept)."""
     from shardstream.convert import convert
     from tiny_models import char_tokenizer, save_checkpoint
 
@@ -529,5 +530,6 @@ def test_health_reports_what_experts_on_demand_read_and_what_their_cache_saved(t
         assert after_two["hits"] > after_one["hits"]
         assert after_two["loads"] - after_one["loads"] < after_one["loads"] - started["loads"]
         assert 0 < after_two["hit_rate"] <= 1 and after_two["held_bytes"] <= after_two["budget_bytes"]
+        assert 0 < after_two["guessed_right"] <= after_two["guesses"] and after_two["guess_wasted_bytes"] >= 0
     finally:
         served.stop()

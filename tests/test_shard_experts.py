@@ -174,9 +174,9 @@ def test_one_expert_is_one_read_of_its_own_bytes(placed, original, monkeypatch):
         reads.append(("read_path", Path(path).name, offset, len(got)))
         return got
 
-    def direct(fd, path, view, offset):
+    def direct(fd, path, view, offset, stop=None):
         reads.append(("read_at", Path(path).name, offset, len(view)))
-        return read_at(fd, path, view, offset)
+        return read_at(fd, path, view, offset, stop)
 
     monkeypatch.setattr(sharding, "read_path", plain)
     monkeypatch.setattr(sharding, "read_at", direct)
@@ -186,7 +186,7 @@ def test_one_expert_is_one_read_of_its_own_bytes(placed, original, monkeypatch):
     assert_loads_exactly(store, original, 0, 2)
     assert reads == [("read_path", Path(record.file).name, record.offset, record.length)]
     reads.clear()
-    expert.read_into(read_buffer(aligned(record.length)), drop=True)
+    expert.fill(read_buffer(aligned(record.length)), drop=True)
     assert reads == [("read_at", Path(record.file).name, record.offset, aligned(record.length))]
 
 

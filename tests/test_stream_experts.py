@@ -62,7 +62,7 @@ def file_reads(monkeypatch) -> list[str]:
     """Every expert read (the container it is read from), by wrapping the store's expert readers (the real
     reads still happen)."""
     reads: list[str] = []
-    for method in ("raw", "read_into"):
+    for method in ("raw", "fill"):
         real = getattr(Expert, method)
 
         def counting(self, *args, real=real, **kwargs):
@@ -245,14 +245,14 @@ def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):
         expected = expert.read(verify=True)
         for buffer in (read_buffer(aligned(size)), bytearray(size)):
             for drop in (True, False):
-                got = expert.read_into(buffer, drop=drop)
+                got = expert.tensors_in(buffer, expert.fill(buffer, drop=drop))
                 assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
     data = bytearray(expert.path.read_bytes())
     data[record.offset + size // 2] ^= 0xFF
     expert.path.write_bytes(bytes(data))
     for buffer in (read_buffer(aligned(size)), bytearray(size)):
         with pytest.raises(StoreCorrupt, match="fails its checksum"):
-            expert.read_into(buffer, drop=True)
+            expert.tensors_in(buffer, expert.fill(buffer, drop=True))
 
 
 @pytest.mark.parametrize("compression", [None, "4bit", "int4"])
@@ -333,3 +333,68 @@ def test_blocks_are_sized_without_the_experts_read_on_demand(family_placed):
         with torch.no_grad():
             assert (model(ids).logits - reference(ids).logits).abs().max().item() <= 1e-5
         assert experts and all(model.model.get_parameter(n).device.type == "meta" for n in experts)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["reading-ahead", "one-read"])
+def test_experts_read_ahead_of_the_router_are_used_or_stopped(family_placed, file_reads, read_ahead):
+    """With nothing held, each block's likely experts are read while the block before it runs: a right guess
+    is that block's read (the same reads counted as with no guessing), a wrong one is read (or stopped) and
+    freed; prefetching=False reads after routing only. The tokens are transformers', and the reads never take more buffers than they have room for."""
+    reference, store = family_placed
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    want = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    loads = {}
+    for prefetching in (False, True):
+        file_reads.clear()
+        with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=0,
+                            prefetching=prefetching) as model:
+            experts = model.experts
+            experts.read_ahead = read_ahead
+            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+            guesses, loads[prefetching] = experts.guesses, experts.loads
+            # every read is a routed one or a guess (a guess stopped before its read began reads nothing)
+            assert experts.loads - guesses.right <= len(file_reads) <= experts.loads - guesses.right + guesses.made
+            assert experts._buffers.allocated <= 1 + experts.depth(read_ahead)
+            if prefetching and read_ahead:   # guesses take the reads' room but one: none where there is one
+                assert 0 < guesses.right < guesses.made and guesses.wasted_bytes > 0
+                assert experts.report()["guessed_right"] == guesses.right
+            else:
+                assert guesses.made == 0
+    assert loads[True] == loads[False]
+
+
+def test_a_read_ahead_of_the_router_stops_between_pieces(tmp_path, monkeypatch):
+    """A stoppable expert read asks for STOP_PIECE bytes at a time and ends before the first piece after it is
+    stopped, by O_DIRECT or by plain reads, saying how much it had read; kept, it reads the rest of the expert
+    in one request."""
+    import shardstream.store.direct_io as direct_io
+
+    monkeypatch.setattr(direct_io, "STOP_PIECE", 4096)
+    _, store = _store(tmp_path)
+    index = load_index(store)
+    expert = Expert(store, index, next(iter(index.experts.values())))
+    size = expert.nbytes
+    assert size > 3 * 4096
+
+    class After(direct_io.Stoppable):
+        """Stopped (or kept) by the read's own thread once it has read `pieces` pieces; the sizes it asked for."""
+
+        def __init__(self, pieces: int, keep: bool):
+            super().__init__()
+            self.pieces, self.keep, self.asked = pieces, keep, []
+
+        def piece(self, usual: int, done: int) -> int:
+            if len(self.asked) == self.pieces:
+                self.stopped, self.kept = not self.keep, self.keep
+            self.asked.append(super().piece(usual, done))
+            return self.asked[-1]
+
+    for buffer, drop in ((read_buffer(aligned(size)), True), (bytearray(size), False)):
+        stop = After(2, keep=False)
+        with pytest.raises(direct_io.ReadStopped) as stopped:
+            expert.fill(buffer, drop=drop, stop=stop)
+        assert stopped.value.done == 2 * 4096 and stop.asked == [4096, 4096]
+        kept = After(2, keep=True)
+        got = expert.tensors_in(buffer, expert.fill(buffer, drop=drop, stop=kept))
+        assert all(torch.equal(got[n], t) for n, t in expert.read(verify=True).items())
+        assert kept.asked[:2] == [4096, 4096] and kept.asked[2] > 4096 and len(kept.asked) == 3

@@ -1,6 +1,8 @@
 """O_DIRECT reads of store files, for the stream runtime's blocks (stream/direct.py) and for MoE
-experts (sharding.Expert.read_into: one read each, at its aligned offset in its container): where a
-filesystem or a buffer refuses O_DIRECT, one exception says so, and the caller reads another way."""
+experts (sharding.Expert.fill: one read each, at its aligned offset in its container): where a
+filesystem or a buffer refuses O_DIRECT, one exception says so, and the caller reads another way. A read
+that may be stopped halfway (an expert read ahead of its router, which may not pick it) is requested in
+STOP_PIECE pieces until it is stopped or kept (`Stoppable`)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,35 @@ import errno
 import os
 
 ALIGN = 4096  # O_DIRECT wants buffer address, file offset and length aligned to the logical block size
+STOP_PIECE = 1 << 20   # a stoppable read's request size: a stop waits for one such request at most
 
 
 class DirectUnsupported(OSError):
     """This file's filesystem (or this buffer) refuses O_DIRECT; read it another way."""
+
+
+class ReadStopped(Exception):
+    """A stoppable read was stopped before its end; `done` bytes had been read."""
+
+    def __init__(self, done: int):
+        super().__init__(f"read stopped after {done} bytes")
+        self.done = done
+
+
+class Stoppable:
+    """Lets another thread end a read before its next request (`stopped`), or, once it is sure to be wanted,
+    let it go on in its usual requests (`kept`); until either, it asks for STOP_PIECE bytes at a time, so that
+    a stop waits for one such request at most."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.kept = False
+
+    def piece(self, usual: int, done: int) -> int:
+        """The size of the read's next request, `done` bytes into it; ReadStopped once stopped."""
+        if self.stopped:
+            raise ReadStopped(done)
+        return usual if self.kept else STOP_PIECE
 
 
 def aligned(offset: int) -> int:
@@ -29,12 +56,14 @@ def open_file(path, direct: bool = True) -> int:
         raise
 
 
-def read_at(fd: int, path, view: memoryview, offset: int) -> int:
-    """Fill `view` from file offset `offset` (aligned); fewer bytes only at the end of the file."""
+def read_at(fd: int, path, view: memoryview, offset: int, stop: Stoppable | None = None) -> int:
+    """Fill `view` from file offset `offset` (aligned); fewer bytes only at the end of the file. `stop`: a
+    read that may be stopped (`Stoppable`)."""
     done = 0
     while done < len(view):
+        piece = len(view) - done if stop is None else stop.piece(len(view) - done, done)
         try:
-            got = os.preadv(fd, [view[done:]], offset + done)
+            got = os.preadv(fd, [view[done:done + piece]], offset + done)
         except OSError as error:
             if error.errno == errno.EINVAL:  # open accepted O_DIRECT, the read did not
                 raise DirectUnsupported(error.errno, f"{path}: O_DIRECT read refused") from None

@@ -27,11 +27,11 @@ from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from ..quant import QuantizedTensor
 from .checksum import checksum_bytes
-from .direct_io import ALIGN, DirectUnsupported, aligned, open_file, read_at
+from .direct_io import ALIGN, DirectUnsupported, Stoppable, aligned, open_file, read_at
 from .manifest import FileRecord, Manifest, PartRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
 
-READ_CHUNK = 64 << 20   # an expert read in pieces of this size (Expert.read_into)
+READ_CHUNK = 64 << 20   # an expert read in pieces of this size (Expert.fill)
 
 
 class StoreFiles(Protocol):
@@ -192,14 +192,15 @@ def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearr
     return data[:got] if got < len(data) else data
 
 
-def _read_plain(path: Path, view: memoryview, offset: int, drop: bool) -> int:
-    """Read the file from `offset` into `view` in READ_CHUNK pieces, each one's pages dropped from the page
-    cache when `drop`; returns the bytes read."""
+def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Stoppable | None = None) -> int:
+    """Read the file from `offset` into `view` in READ_CHUNK pieces (or as `stop` says: `Stoppable`), each
+    one's pages dropped from the page cache when `drop`; returns the bytes read."""
     with open(path, "rb", buffering=0) as handle:
         handle.seek(offset)
         done = 0
         while done < len(view):
-            got = handle.readinto(view[done:done + READ_CHUNK])
+            piece = READ_CHUNK if stop is None else stop.piece(READ_CHUNK, done)
+            got = handle.readinto(view[done:done + piece])
             if not got:
                 break
             if drop:
@@ -208,10 +209,10 @@ def _read_plain(path: Path, view: memoryview, offset: int, drop: bool) -> int:
     return done
 
 
-def _read_direct(path: Path, buffer, offset: int, size: int) -> int | None:
-    """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT; None where that cannot
-    be (no O_DIRECT on this system or filesystem, a buffer not page-aligned or too short for the page-rounded
-    size)."""
+def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | None = None) -> int | None:
+    """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT (stoppable: read_at); None
+    where that cannot be (no O_DIRECT on this system or filesystem, a buffer not page-aligned or too short for
+    the page-rounded size)."""
     view = memoryview(buffer)[:aligned(size)]
     if not hasattr(os, "O_DIRECT") or len(view) < aligned(size) or offset % ALIGN:
         return None
@@ -220,7 +221,7 @@ def _read_direct(path: Path, buffer, offset: int, size: int) -> int | None:
     except DirectUnsupported:
         return None
     try:
-        return min(read_at(fd, path, view, offset), size)
+        return min(read_at(fd, path, view, offset, stop), size)
     except DirectUnsupported:   # the buffer's address is not aligned, or the read was refused
         return None
     finally:
@@ -296,24 +297,30 @@ class Expert:
         """The file on this machine (its tier's root may be outside the store); None in a remote store."""
         return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
-    def read_into(self, buffer, drop: bool = False, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
-        """The expert's tensors, viewing `buffer` (a writable buffer of at least `nbytes`: reused, it costs
-        no page faults) where they are stored plainly, checksum-verified.
+    def fill(self, buffer, drop: bool = False, stop: Stoppable | None = None) -> int:
+        """Read the expert's bytes into `buffer` (a writable buffer of at least `nbytes`: reused, it costs no
+        page faults), unchecked (`tensors_in` checks them): the bytes read.
 
         `drop` (the experts outgrow memory, so every one is read again anyway, and under a cap that counts
         the page cache kept pages are reclaim to pay for): past the page cache, with O_DIRECT when `buffer`
         is page-aligned and of the expert's page-rounded size (stream/direct.py's read buffers: huge pages,
         no copy on the CPU; containers align every expert for it), else in READ_CHUNK pieces each dropped
-        from the page cache once read."""
+        from the page cache once read. `stop`: a read that may be stopped halfway (a read ahead of the router,
+        `Stoppable`)."""
         record = self.record
         try:
-            done = _read_direct(self.path, buffer, record.offset, record.length) if drop else None
+            done = _read_direct(self.path, buffer, record.offset, record.length, stop) if drop else None
             if done is None:
-                done = _read_plain(self.path, memoryview(buffer)[:record.length], record.offset, drop)
+                done = _read_plain(self.path, memoryview(buffer)[:record.length], record.offset, drop, stop)
         except FileNotFoundError:
             raise _missing(self.path) from None
-        view = memoryview(buffer)[:record.length]
-        checked(view[:done], record.span, self.where())
+        return done
+
+    def tensors_in(self, buffer, done: int, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """The expert's tensors viewing `buffer` that `fill` read `done` bytes into (where stored plainly; else
+        dequantized, or as codes and scales when not `dequantize`), once they pass its checksum."""
+        view = memoryview(buffer)[:self.record.length]
+        checked(view[:done], self.record.span, self.where())
         return self._decode(view, dequantize)
 
     def raw(self) -> bytearray:

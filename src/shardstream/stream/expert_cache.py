@@ -63,6 +63,10 @@ class ExpertCache(Generic[Held]):
         """One pass of `block`'s experts begins."""
         self._clocks[block] = self._clocks.get(block, 0) + 1
 
+    def holds(self, block: Hashable, expert: int) -> bool:
+        """Whether the expert is held, counting no routing."""
+        return (block, expert) in self._held
+
     def get(self, block: Hashable, expert: int) -> Held | None:
         """The expert if held; either way one routing to it is counted."""
         key = (block, expert)

@@ -12,13 +12,21 @@ Experts stay in memory between passes, within `budget` bytes, by how often and h
 routed to (expert_cache.py); a pass reads only the routed experts not held, the next one read on a thread
 while one multiplies. A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one expert
 read and, with `read_ahead`, the next.
+
+Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
+no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
+but one read's, so that a pass can always read the expert it multiplies next): those its router
+picks for this block's hidden state (in a trained model the residual stream changes little from one block
+to the next), and for the first block, those it picked for the token before. A guess's bytes are read but
+not checked. When the next block routes, a right guess is its read, already in flight or done, checked on a
+reading thread; a wrong one is stopped within one STOP_PIECE request and its buffer goes back, having cost
+its bytes and no CPU. Guesses use only the room the reads already have, so the memory is the same.
 """
 
 from __future__ import annotations
 
 import functools
 import mmap
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,15 +34,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from .. import quant
 from ..errors import InvalidOption, UnsupportedModel
 from ..naming import Part
 from ..quant import QuantizedTensor
 from ..store import Store
-from ..store.direct_io import aligned
+from ..store.direct_io import ReadStopped, Stoppable, aligned
 from ..store.dtypes import TORCH_DTYPES
-from ..store.sharding import load_expert, load_index
+from ..store.sharding import Expert, load_expert, load_index
 from . import half_linear, quant_linear
 from .direct import BufferPool
 from .expert_cache import ExpertCache
@@ -51,6 +60,12 @@ READ_AHEAD_BYTES = 64 << 20
 MAX_DEPTH = 8
 # Rows of 16-bit activations (a decode step's) whose expert products go through the half-precision kernel.
 KERNEL_ROWS = 2
+# Below this share of the recent guesses right, a block reads ahead only its likeliest expert, once every
+# PROBE_EVERY passes (so that the share is still measured): a guess takes the disk's time and the reading
+# threads' (and with them the interpreter's), and pays only when right.
+GUESS_PRECISION = 0.25
+GUESS_MEMORY = 64   # guesses that share is taken over, each older one weighing less
+PROBE_EVERY = 8
 
 
 def reading_bytes(expert_bytes: int, ahead: bool) -> int:
@@ -116,12 +131,21 @@ class ExpertlessLoader(BlockLoader):
 
 
 @dataclass
+class _Filled:
+    """An expert's bytes read into `buffer` (`done` of them), not checked yet."""
+    expert: Expert
+    buffer: mmap.mmap
+    done: int
+
+
+@dataclass
 class _Loaded:
     """One expert ready to multiply: its gate, up and down weights (viewing `buffer` where the products read
     the stored bytes), and the bytes it holds."""
     weights: dict[str, torch.Tensor | QuantizedTensor]
     buffer: mmap.mmap | bytearray | None
     nbytes: int
+    read_bytes: int   # what its read fetched
 
 
 class _Block:
@@ -155,8 +179,8 @@ class OnDemandExperts:
     """Serves each MoE block's experts module from the experts routed to in this pass, read on demand and
     multiplied from their stored bytes; those worth keeping stay in an `ExpertCache` of `budget` bytes.
 
-    `loads` counts experts read and `bytes_read` their bytes; `cache.stats` the routings served from
-    memory and those that read.
+    `loads` counts experts read for routings and `bytes_read` their bytes; `cache.stats` the routings served
+    from memory and those that read; `guesses` the reads made ahead of the router (right ones are loads too).
     """
 
     def __init__(self, source: ExpertSource, model: nn.Module, mapper: WeightMapper, device: torch.device,
@@ -169,10 +193,15 @@ class OnDemandExperts:
         self.loads = 0
         self.bytes_read = 0
         self.read_ahead = True   # the next expert's file read while one multiplies (fit)
+        self.guessing = True   # experts read ahead of the router (_Guesses); off with prefetching=False
         self.drop_pages = False   # set when the experts do not all fit in memory
         self._buffers = BufferPool()   # experts are read into these
-        self._counting = threading.Lock()
+        self._threads: tuple[int, ThreadPoolExecutor] | None = None   # (threads, the reading threads)
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
+        self.guesses = _Guesses(self._fill, self._checked_when_read, self._give)
+        self._routers: dict[int, torch.Tensor] = {}   # each block's router weight, kept (float32) at its first run
+        self._picked: dict[int, torch.Tensor] = {}   # each block's router picks (top_k_index) in its last pass
+        self._hooks = []
         mine = served_experts(source, layers)
         by_layer: dict[int, set[str]] = {}
         for record in mine:
@@ -191,6 +220,9 @@ class OnDemandExperts:
             module = model.get_submodule(prefix)
             self._blocks[layer] = _Block(module, prefix, names, mapper, str(store.root))
             module.forward = functools.partial(self._forward, layer)
+            router = getattr(model.get_submodule(prefix.rpartition(".")[0]), "gate", None)
+            if isinstance(getattr(router, "weight", None), torch.Tensor) and router.weight.dim() == 2:
+                self._hooks.append(router.register_forward_pre_hook(functools.partial(self._keep_router, layer)))
         self.expert_bytes = max(self._held_bytes(r.tensors, self._blocks[r.group].dtype) for r in mine)
 
     @property
@@ -225,9 +257,20 @@ class OnDemandExperts:
 
     def report(self) -> dict:
         """What the experts read and what the cache saved so far (serve's /health shows it)."""
-        stats = self.cache.stats
+        stats, guesses = self.cache.stats, self.guesses
         return {"loads": self.loads, "bytes_read": self.bytes_read, "hits": stats.hits, "misses": stats.misses,
-                "hit_rate": round(stats.hit_rate, 4), "held_bytes": self.cache.held_bytes, "budget_bytes": self.budget}
+                "hit_rate": round(stats.hit_rate, 4), "held_bytes": self.cache.held_bytes, "budget_bytes": self.budget,
+                "guesses": guesses.made, "guessed_right": guesses.right, "guess_wasted_bytes": guesses.wasted_bytes}
+
+    def close(self) -> None:
+        """Stop the reads made ahead of the router, end the reading threads, drop the router hooks."""
+        self.guesses.settle(None, (), None)
+        if self._threads:
+            self._threads[1].shutdown()
+            self._threads = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     @property
     def budget(self) -> int:
@@ -252,40 +295,111 @@ class OnDemandExperts:
     def _forward(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward over the experts routed to, in expert order, each from the cache or
-        read (those not held read ahead while one multiplies: `_Reads`)."""
+        read (those not held read ahead while one multiplies: `_Reads`; a right guess's read already started).
+        Once this block's reads leave room, the next block's likely experts are read into it (`_guessed`)."""
         block = self._blocks[layer]
         self.cache.tick(layer)
         out = torch.zeros_like(hidden_states)
         routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
         held = {expert: self.cache.get(layer, expert) for expert in routed}
         pinned = frozenset(expert for expert in routed if held[expert] is not None)
-        reads = _Reads(functools.partial(self._load, layer), [e for e in routed if held[e] is None],
-                       self.depth(self.read_ahead), self._free)
+        missing = [e for e in routed if held[e] is None]
+        threads, slots = self._executor(), 1 + self.depth(self.read_ahead)
+        reads = _Reads(threads, functools.partial(self._load, layer), missing, slots - 1, self._free,
+                       self.guesses.settle(layer, missing, threads))
+        self._picked[layer] = top_k_index
+        room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
+        ahead = self._guessed(layer, hidden_states, top_k_index.shape[-1]) if room else None
         try:
             for expert in routed:
-                loaded = held[expert] or reads.take()
+                loaded = held[expert]
+                if loaded is None:
+                    loaded = reads.take()
+                    self.loads += 1
+                    self.bytes_read += loaded.read_bytes
+                if ahead and reads.done:   # the disk is the guesses' once this block's reads are done
+                    self.guesses.start(threads, *ahead, room)
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
                 # experts held for this pass stay until it ends: their buffers are still to be multiplied from
                 if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
+            if ahead:
+                self.guesses.start(threads, *ahead, room)
         finally:
             reads.close()
         return out
 
+    def _guessed(self, layer: int, hidden_states: torch.Tensor, top_k: int) -> tuple[int, list[int]] | None:
+        """The block to read ahead for after `layer`, and its experts not held, the likeliest first: those the
+        next block's router picks for this block's `hidden_states` (its `top_k` a token); after the last block,
+        the first one's picks of its last pass. None when nothing can be guessed."""
+        later = [other for other in self._blocks if other > layer]
+        if later:
+            upcoming = min(later)
+            weight = self._routers.get(upcoming)
+            if weight is None:
+                return None
+            picks = torch.topk(functional.linear(hidden_states.float(), weight), top_k, dim=-1).indices
+            likely = _ranked(picks - self._first, self._blocks[upcoming].count)
+        else:
+            upcoming = min(self._blocks)
+            picked = self._picked.get(upcoming)
+            likely = [] if picked is None else _ranked(picked, self._blocks[upcoming].count)
+        likely = [expert for expert in likely if not self.cache.holds(upcoming, expert)]
+        return (upcoming, likely) if likely else None
+
+    def _keep_router(self, layer: int, module: nn.Module, args) -> None:
+        """Keep block `layer`'s router weight when it first runs (filled then, whether resident or streamed): the
+        block before it guesses from it."""
+        if layer not in self._routers and module.weight.device.type != "meta":
+            self._routers[layer] = module.weight.detach().float().clone()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The reading threads, shared by the passes and the guesses: two when reads are made ahead, so that the
+        disk has more than one request to serve and one read's checksum runs while another reads."""
+        threads = 2 if self.read_ahead else 1
+        if self._threads is None or self._threads[0] != threads:
+            if self._threads:
+                self._threads[1].shutdown()
+            self._threads = (threads, ThreadPoolExecutor(threads, thread_name_prefix="experts"))
+        return self._threads[1]
+
     def _load(self, layer: int, expert: int) -> _Loaded:
-        """One expert's weights, read and checked: into a reused buffer from a local file (past the page cache
-        when `drop_pages`: Expert.read_into), then placed for the products (`_placed`)."""
+        """One expert's weights, read and checked: into a reused buffer from a local file (`_fill`), or over
+        HTTP, then placed for the products."""
+        if self.store.remote:
+            placed = load_expert(self.store, layer, self._first + expert)
+            return self._loaded(layer, placed.read(verify=True, dequantize=False), None, placed.nbytes)
+        return self._checked(layer, self._fill(layer, expert, None))
+
+    def _fill(self, layer: int, expert: int, stop: Stoppable | None) -> _Filled:
+        """An expert's bytes read into a reused buffer (past the page cache when `drop_pages`; `stop`: a guess's
+        read: Expert.fill), not checked yet: a guess is checked only once its block routes to it."""
         placed = load_expert(self.store, layer, self._first + expert)
-        buffer = None if placed.path is None else self._buffers.take(self._file_bytes)
+        buffer = self._buffers.take(self._file_bytes)
         try:
-            tensors = (placed.read(verify=True, dequantize=False) if buffer is None
-                       else placed.read_into(buffer, drop=self.drop_pages, dequantize=False))
+            return _Filled(placed, buffer, placed.fill(buffer, drop=self.drop_pages, stop=stop))
         except BaseException:
             self._give(buffer)
             raise
-        with self._counting:   # reads run on two threads
-            self.loads += 1
-            self.bytes_read += placed.nbytes
+
+    def _checked(self, layer: int, filled: _Filled) -> _Loaded:
+        """The expert `filled` read, checked against its checksum and placed for the products."""
+        try:
+            tensors = filled.expert.tensors_in(filled.buffer, filled.done, dequantize=False)
+        except BaseException:
+            self._give(filled.buffer)
+            raise
+        return self._loaded(layer, tensors, filled.buffer, filled.expert.nbytes)
+
+    def _checked_when_read(self, layer: int, read: Future) -> _Loaded:
+        """`_checked` once the guess's `read` is done (a reading thread runs it: the checksum is not the pass's
+        to wait for)."""
+        return self._checked(layer, read.result())
+
+    def _loaded(self, layer: int, tensors: dict, buffer: mmap.mmap | None, read_bytes: int) -> _Loaded:
+        """An expert's stored tensors placed for the products (`_placed`); its buffer given back when nothing
+        views it."""
         block = self._blocks[layer]
         weights = {block.roles[name]: self._placed(tensor, block.dtype) for name, tensor in tensors.items()}
         parts = [part for weight in weights.values() for part in quant.held_by(weight)]
@@ -294,7 +408,8 @@ class OnDemandExperts:
         if buffer is not None and len(apart) == len(parts):   # nothing views the buffer: it can be read into again
             self._give(buffer)
             buffer = None
-        return _Loaded(weights, buffer, (len(buffer) if buffer is not None else 0) + sum(p.nbytes for p in apart))
+        return _Loaded(weights, buffer, (len(buffer) if buffer is not None else 0) + sum(p.nbytes for p in apart),
+                       read_bytes)
 
     def _placed(self, tensor: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
         """A stored weight as the products take it on this device: as stored where they read it so (codes a
@@ -320,38 +435,137 @@ class OnDemandExperts:
 
 
 class _Reads:
-    """The experts of a pass that are not held, read in order: the first at once, and `depth` more while one
-    multiplies (0: each next one once the one before is done with); two threads when several are in flight,
-    so that the disk has more than one request to serve."""
+    """The experts of a pass that are not held, read in order on the reading threads: the first at once, and
+    `depth` more while one multiplies (0: each next one once the one before is done with). `started`: reads
+    of some of them begun ahead of the router (right guesses), in flight already and counted so."""
 
-    def __init__(self, load: Callable[[int], _Loaded], experts: list[int], depth: int,
-                 free: Callable[[_Loaded], None]):
-        self._load, self._todo, self._depth, self._free = load, deque(experts), depth, free
-        threads = 2 if depth > 1 else 1
-        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="experts") if experts else None
+    def __init__(self, threads: ThreadPoolExecutor, load: Callable[[int], _Loaded], experts: list[int], depth: int,
+                 free: Callable[[_Loaded], None], started: dict[int, Future]):
+        self._threads, self._load, self._todo, self._depth, self._free = threads, load, deque(experts), depth, free
+        self._started = started
         self._pending: deque[Future] = deque()
         self._top_up(1 + depth)
 
+    @property
+    def in_flight(self) -> int:
+        """Reads begun and not yet taken."""
+        return len(self._pending) + len(self._started)
+
+    @property
+    def done(self) -> bool:
+        """Whether every read has been taken."""
+        return not self._todo and not self.in_flight
+
     def _top_up(self, in_flight: int) -> None:
-        while self._todo and len(self._pending) < in_flight:
-            self._pending.append(self._threads.submit(self._load, self._todo.popleft()))
+        while self._todo and (self._todo[0] in self._started or self.in_flight < in_flight):
+            expert = self._todo.popleft()
+            started = self._started.pop(expert, None)
+            self._pending.append(started if started is not None else self._threads.submit(self._load, expert))
 
     def take(self) -> _Loaded:
-        self._top_up(1)
+        # the next expert's read, beside the guesses begun (they leave room for one read: _Guesses)
+        self._top_up(self.in_flight + 1 if not self._pending else 1)
         loaded = self._pending.popleft().result()
         self._top_up(self._depth)
         return loaded
 
     def close(self) -> None:
         """Wait for reads still in flight (a pass that failed) and free what they read."""
-        if self._threads is None:
-            return
-        for pending in self._pending:
+        for pending in [*self._pending, *self._started.values()]:
             try:
                 self._free(pending.result())
             except BaseException:
                 pass   # the pass's own error is the one to report
-        self._threads.shutdown()
+        self._pending.clear()
+        self._started.clear()
+
+
+class _Guesses:
+    """Experts read ahead of their block's router, in the room the reads leave (module docstring), for one
+    block at a time: `start` reads the likeliest (`fill`: bytes only, unchecked), `settle` hands that block's
+    pass the right ones' reads (`check`ed on a reading thread once read) and stops, waits for and gives back
+    (`give`) the others' buffers. `made` guesses, `right` of them routed to, `wasted_bytes` read for the
+    others."""
+
+    def __init__(self, fill: Callable[[int, int, Stoppable], _Filled], check: Callable[[int, Future], _Loaded],
+                 give: Callable[[mmap.mmap], None]):
+        self._fill, self._check, self._give = fill, check, give
+        self._layer: int | None = None
+        self._reads: dict[int, tuple[Future, Stoppable]] = {}
+        self.made = self.right = self.wasted_bytes = 0
+        self._recent = (0.0, 0.0)   # guesses right and made lately, decayed (GUESS_MEMORY)
+        self._quiet = 0   # passes while guesses were seldom right
+
+    @property
+    def precision(self) -> float:
+        """The share of the recent guesses that were right (1 before any)."""
+        right, made = self._recent
+        return (right + 1) / (made + 1)
+
+    def allowance(self, room: int) -> int:
+        """How many guesses a block's pass may have in flight, out of the reads' `room`: all of it while the
+        guesses are right often enough (GUESS_PRECISION), else one every PROBE_EVERY passes."""
+        if self.precision >= GUESS_PRECISION:
+            return room
+        self._quiet += 1
+        return min(room, 1) if self._quiet % PROBE_EVERY == 0 else 0
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def start(self, threads: ThreadPoolExecutor, layer: int, likely: list[int], room: int) -> None:
+        """Read `layer`'s experts `likely` (the likeliest first) not read yet, until `room` guesses are in
+        flight."""
+        if self._reads and self._layer != layer:
+            self.settle(None, (), None)
+        self._layer = layer
+        for expert in likely:
+            if len(self._reads) >= room:
+                break
+            if expert not in self._reads:
+                stop = Stoppable()
+                self._reads[expert] = (threads.submit(self._fill, layer, expert, stop), stop)
+                self.made += 1
+
+    def settle(self, layer: int | None, needed: list[int] | tuple, threads: ThreadPoolExecutor | None) -> dict[int, Future]:
+        """The experts of `layer` in `needed` whose reads began ahead (right guesses), each the future of its
+        checked weights (checked on `threads` once read; the read goes on in whole requests); every other
+        guess stopped and its buffer given back before this returns, so that its room is free for the reads to
+        come. A reading thread takes a check only once the reads submitted before it are under way, so it
+        waits for a read in progress, never for one still queued."""
+        right = {}
+        for expert, (read, stop) in self._reads.items():
+            if layer == self._layer and expert in needed:
+                stop.kept = True
+                right[expert] = threads.submit(self._check, layer, read)
+                continue
+            stop.stopped = True
+            if read.cancel():
+                continue
+            try:
+                filled = read.result()
+            except ReadStopped as stopped:
+                self.wasted_bytes += stopped.done
+            except Exception:
+                pass   # an expert nobody routed to: a read that needs it reports its error
+            else:
+                self.wasted_bytes += filled.done
+                self._give(filled.buffer)
+        if self._reads:
+            kept = (1 - 1 / GUESS_MEMORY) ** len(self._reads)
+            self._recent = (self._recent[0] * kept + len(right), self._recent[1] * kept + len(self._reads))
+        self.right += len(right)
+        self._reads.clear()
+        self._layer = None
+        return right
+
+
+def _ranked(picks: torch.Tensor, count: int) -> list[int]:
+    """The experts of a module of `count` among router `picks` (others: not its own), the most picked first."""
+    picks = picks.flatten()
+    picks = picks[(picks >= 0) & (picks < count)]
+    tally = torch.bincount(picks, minlength=count)
+    return torch.argsort(tally, descending=True, stable=True)[:int((tally > 0).sum())].tolist()
 
 
 def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -160,6 +160,7 @@ class StreamingModel(TransformersHabits, WrapsModel):
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
             self.experts.fit(options.expert_budget(self.device, self.stream_working_set),
                              auto=options.max_expert_memory == "auto")
+            self.experts.guessing = options.prefetching
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks = []
@@ -478,6 +479,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._ends_hooks.clear()
         self._streaming.close()
         self._loader.close()
+        if self.experts:
+            self.experts.close()
 
     def __enter__(self) -> StreamingModel:
         return self
