@@ -398,3 +398,33 @@ def test_a_read_ahead_of_the_router_stops_between_pieces(tmp_path, monkeypatch):
         got = expert.tensors_in(buffer, expert.fill(buffer, drop=drop, stop=kept))
         assert all(torch.equal(got[n], t) for n, t in expert.read(verify=True).items())
         assert kept.asked[:2] == [4096, 4096] and kept.asked[2] > 4096 and len(kept.asked) == 3
+
+
+def test_guesses_seldom_right_are_cut_to_a_probe_and_come_back_when_right():
+    """The policy alone, over a real thread pool (reads that fill nothing): while most recent guesses are
+    wrong, a pass may guess one expert once every PROBE_EVERY passes; right guesses bring the whole room back.
+    Wrong ones give their buffer back, right ones are handed over checked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardstream.stream import experts as module
+
+    given = []
+    guesses = module._Guesses(fill=lambda layer, expert, stop: module._Filled(None, f"buffer {expert}", 10),
+                              check=lambda layer, read: ("checked", read.result().buffer), give=given.append)
+    with ThreadPoolExecutor(2) as threads:
+        passes = 0
+        while guesses.allowance(3) == 3:   # every guess wrong
+            guesses.start(threads, 1, [0, 1, 2], 3)
+            assert guesses.settle(1, [5], threads) == {}
+            passes += 1
+        assert 0 < passes < module.GUESS_MEMORY and guesses.precision < module.GUESS_PRECISION
+        # a guess still queued when it is found wrong is cancelled, never read: the others give their buffer back
+        assert len(given) <= 3 * passes and set(given) <= {f"buffer {e}" for e in (0, 1, 2)}
+        allowed = [guesses.allowance(3) for _ in range(2 * module.PROBE_EVERY - 1)]
+        assert allowed.count(1) == 2 and set(allowed) == {0, 1}
+        while guesses.precision < module.GUESS_PRECISION:   # probes that are right
+            guesses.start(threads, 1, [4], 1)
+            right = guesses.settle(1, [4, 6], threads)
+            assert list(right) == [4] and right[4].result() == ("checked", "buffer 4")
+        assert guesses.allowance(3) == 3
+    assert guesses.made == 3 * passes + guesses.right and guesses.wasted_bytes == 10 * len(given)
