@@ -8,8 +8,11 @@ import torch
 from shardstream import AutoModel, EngineOptions
 from shardstream.errors import InvalidOption
 from shardstream.stream.pieces import BATCH_PIECE_BYTES
+from shardstream.stream import residency
 from shardstream.stream.residency import batch_auto_budget
 from tiny_models import llama_store_with_tokenizer
+
+TOLERANCE = 1e-5   # float32 sums in another order
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -27,7 +30,9 @@ def test_a_bad_option_is_refused_when_the_value_is_made(fields, message):
         EngineOptions(**fields)
 
 
-def test_for_batch_leaves_room_for_the_kv_caches_and_keeps_what_was_given():
+def test_for_batch_leaves_room_for_the_kv_caches_and_keeps_what_was_given(monkeypatch):
+    # the memory available, pinned: read twice from the machine it moves between the reads
+    monkeypatch.setattr(residency, "available_memory", lambda: (8 << 30, False))
     one = EngineOptions(experts="on_demand")
     assert one.for_batch(1, "cpu") is one
     batch = one.for_batch(8, "cpu")
@@ -48,7 +53,7 @@ def test_from_pretrained_takes_the_value_or_the_options_one_by_one_not_both(tmp_
         got = by_value(ids).logits
     with AutoModel.from_pretrained(store, max_resident_memory=0, prefetching=False, compute_dtype="float32") as one_by_one:
         assert one_by_one.options == options and torch.equal(one_by_one(ids).logits, got)
-    with torch.no_grad():
-        assert torch.equal(reference(ids).logits, got)
+    with torch.no_grad():   # a few rows' products are W @ xᵀ (stream/linear.py): within rounding of MKL's x @ Wᵀ
+        assert (reference(ids).logits - got).abs().max().item() <= TOLERANCE
     with pytest.raises(InvalidOption, match="as `options` or one by one, not both"):
         AutoModel.from_pretrained(store, options=options, max_resident_memory=None)
