@@ -200,7 +200,7 @@ class OnDemandExperts:
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         self.guesses = _Guesses(self._fill, self._checked_when_read, self._give)
         self._routers: dict[int, torch.Tensor] = {}   # each block's router weight, kept (float32) at its first run
-        self._picked: dict[int, torch.Tensor] = {}   # each block's router picks (top_k_index) in its last pass
+        self._first_picks: torch.Tensor | None = None   # the first block's router picks (top_k_index), last pass
         self._hooks = []
         mine = served_experts(source, layers)
         by_layer: dict[int, set[str]] = {}
@@ -224,6 +224,9 @@ class OnDemandExperts:
             if isinstance(getattr(router, "weight", None), torch.Tensor) and router.weight.dim() == 2:
                 self._hooks.append(router.register_forward_pre_hook(functools.partial(self._keep_router, layer)))
         self.expert_bytes = max(self._held_bytes(r.tensors, self._blocks[r.group].dtype) for r in mine)
+        order = sorted(self._blocks)
+        self._first_block = order[0]
+        self._next = dict(zip(order, order[1:] + order[:1]))   # the block each one guesses for (the last: the first)
 
     @property
     def module_names(self) -> list[str]:
@@ -307,7 +310,8 @@ class OnDemandExperts:
         threads, slots = self._executor(), 1 + self.depth(self.read_ahead)
         reads = _Reads(threads, functools.partial(self._load, layer), missing, slots - 1, self._free,
                        self.guesses.settle(layer, missing, threads))
-        self._picked[layer] = top_k_index
+        if layer == self._first_block:
+            self._first_picks = top_k_index
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         ahead = self._guessed(layer, hidden_states, top_k_index.shape[-1]) if room else None
         try:
@@ -333,17 +337,15 @@ class OnDemandExperts:
         """The block to read ahead for after `layer`, and its experts not held, the likeliest first: those the
         next block's router picks for this block's `hidden_states` (its `top_k` a token); after the last block,
         the first one's picks of its last pass. None when nothing can be guessed."""
-        later = [other for other in self._blocks if other > layer]
-        if later:
-            upcoming = min(later)
+        upcoming = self._next[layer]
+        if upcoming > layer:
             weight = self._routers.get(upcoming)
             if weight is None:
                 return None
             picks = torch.topk(functional.linear(hidden_states.float(), weight), top_k, dim=-1).indices
             likely = _ranked(picks - self._first, self._blocks[upcoming].count)
         else:
-            upcoming = min(self._blocks)
-            picked = self._picked.get(upcoming)
+            picked = self._first_picks
             likely = [] if picked is None else _ranked(picked, self._blocks[upcoming].count)
         likely = [expert for expert in likely if not self.cache.holds(upcoming, expert)]
         return (upcoming, likely) if likely else None
