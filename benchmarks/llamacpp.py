@@ -141,18 +141,19 @@ def shardstream_run(args) -> dict:
             return logits[:, -1:].argmax(-1)
         return torch.randint(3, vocab, (1, 1), generator=generator)
 
+    def step(ids: torch.Tensor, cache) -> tuple:
+        out = model(ids, past_key_values=cache, use_cache=True)
+        return out.past_key_values, next_token(out.logits)
+
     experts = getattr(model, "experts", None)
     with torch.no_grad():
         phase("decoding")
-        out = model(prompt, use_cache=True)
-        cache, token = out.past_key_values, next_token(out.logits)
-        out = model(token, past_key_values=cache, use_cache=True)   # untimed, as llama-bench's warm-up run
-        cache, token = out.past_key_values, next_token(out.logits)
+        cache, token = step(prompt, None)
+        cache, token = step(token, cache)   # untimed, as llama-bench's warm-up run
         disk, routed = _llamacpp.read_bytes(), (experts.cache.stats.hits, experts.cache.stats.misses) if experts else None
         started = time.perf_counter()
         for _ in range(args.new_tokens):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, next_token(out.logits)
+            cache, token = step(token, cache)
         decode = args.new_tokens / (time.perf_counter() - started)
         decode_read = _llamacpp.read_bytes() - disk
         if experts:
