@@ -20,9 +20,9 @@ from its cgroup when it ends, or memcap's figure, rounded up to a tenth of a GiB
 Per setting: decode tok/s (--new-tokens greedy steps with the KV cache holding a --prompt-token prompt) and
 prefill tok/s of a --prefill-tokens prompt. llama.cpp: one `llama-bench -t 2 -p PREFILL -n NEW -d PROMPT
 -r 1` (its warm-up run first, the depth's tokens untimed: both tests start from PROMPT tokens in the
-cache). shardstream (`AutoModel.from_pretrained(store)` with its defaults): a PROMPT-token forward, one decode
-step untimed (as llama-bench's warm-up run), NEW decode steps timed, then `generate(max_new_tokens=1)` on a
-fresh PREFILL-token prompt timed. The decode steps feed greedy tokens (--decode-tokens greedy) or, by default
+cache). shardstream (`AutoModel.from_pretrained(store)` with its defaults): a PROMPT-token forward into the
+KV cache `generate` reserves, one decode step untimed (as llama-bench's warm-up run), NEW decode steps
+timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. The decode steps feed greedy tokens (--decode-tokens greedy) or, by default
 for an MoE shape, random ones as llama-bench does: an MoE's routing, and so what it reads, follows the token. Both sides also report the bytes read from disk
 during the decode steps (read_bytes of /proc/PID/io; for llama.cpp `python _llamacpp.py` runs llama-bench and
 counts them, inside the cap), and shardstream the share of routings its expert cache served. Settings,
@@ -124,6 +124,7 @@ def shardstream_run(args) -> dict:
     import torch
 
     from shardstream import AutoModel
+    from shardstream.serving.kvcache import generation_cache
 
     store = shardstream_store(args, args.child)
     options = {"compute_dtype": masked_compute_dtype(store)} if args.mask_bf16 else {}
@@ -148,7 +149,7 @@ def shardstream_run(args) -> dict:
     experts = getattr(model, "experts", None)
     with torch.no_grad():
         phase("decoding")
-        cache, token = step(prompt, None)
+        cache, token = step(prompt, generation_cache(model.config, args.prompt + args.new_tokens + 1))
         cache, token = step(token, cache)   # untimed, as llama-bench's warm-up run
         disk, routed = _llamacpp.read_bytes(), (experts.cache.stats.hits, experts.cache.stats.misses) if experts else None
         started = time.perf_counter()

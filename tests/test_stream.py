@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from shardstream.cli import app
 from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt, StoreIncomplete, UnsupportedModel
+from shardstream.serving.kvcache import ReservedLayer
 from shardstream.store import load_manifest, open_store
 from shardstream import AutoModel, EngineOptions
 from shardstream.stream import StreamingModel
@@ -125,6 +126,39 @@ def test_left_padded_batch_matches_the_reference(llama):
             expected = reference(ids, attention_mask=mask).logits
         diff = (model(ids, attention_mask=mask).logits - expected)[mask.bool()]
         assert diff.abs().max().item() <= TOLERANCE
+
+
+SEARCHES = {"greedy": dict(do_sample=False), "beams": dict(num_beams=3, do_sample=False),
+            "beams, 2 returned": dict(num_beams=3, num_return_sequences=2, do_sample=False),
+            "sampling, 2 returned": dict(do_sample=True, top_k=5, num_return_sequences=2)}
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_generate_writes_its_kv_cache_in_place_and_matches_transformers(llama, search):
+    """`generate` reserves the cache for the prompt and the new tokens (no copy of it per step); beam search's
+    reordering of rows and the rows repeated for several returned sequences land in that reservation."""
+    reference, store_path = llama
+    ids = _prompts(batch=2, length=9)
+    options = dict(max_new_tokens=7, pad_token_id=0, **SEARCHES[search])
+    with AutoModel.from_pretrained(store_path, max_resident_memory=0) as model:
+        torch.manual_seed(3)
+        got = model.generate(ids, return_dict_in_generate=True, **options)
+        torch.manual_seed(3)
+        assert torch.equal(got.sequences, reference.generate(ids, **options))
+    layer = got.past_key_values.layers[0]
+    assert isinstance(layer, ReservedLayer) and layer.capacity == 9 + 7
+
+
+def test_generate_keeps_transformers_cache_for_a_sliding_window(tmp_path):
+    """A sliding-window layer keeps only its window: such a model keeps transformers' own cache."""
+    reference = save_checkpoint("mistral", tmp_path / "ckpt", sliding_window=4)
+    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+    ids = _prompts(batch=1, length=9)
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with AutoModel.from_pretrained(tmp_path / "store") as model:
+        got = model.generate(ids, return_dict_in_generate=True, **options)
+    assert torch.equal(got.sequences, reference.generate(ids, **options))
+    assert not any(isinstance(layer, ReservedLayer) for layer in got.past_key_values.layers)
 
 
 def test_each_generated_token_streams_each_block_once(llama):

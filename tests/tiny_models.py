@@ -49,16 +49,16 @@ def tiny_config(family: str, **overrides):
     return AutoConfig.for_model(model_type, **settings)
 
 
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype)
     return model.eval()
 
 
 def save_checkpoint(family: str, folder: Path, max_shard_size: str = "40KB", seed: int = 0,
-                    dtype: torch.dtype = torch.float32):
-    """Save a tiny model as a sharded safetensors checkpoint; returns the model."""
-    model = tiny_model(family, seed, dtype)
+                    dtype: torch.dtype = torch.float32, **overrides):
+    """Save a tiny model (its config's `overrides` given) as a sharded safetensors checkpoint; returns the model."""
+    model = tiny_model(family, seed, dtype, **overrides)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return model
 

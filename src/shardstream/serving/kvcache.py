@@ -9,7 +9,8 @@ a transient copy of a layer behind (docs/BENCHMARKS.md, section "Many tokens per
 StaticCache writes in place but cannot take rows in or out, which continuous batching does between
 steps. `ReservedLayer` is a DynamicLayer (so transformers' masks and `get_seq_length` work unchanged)
 whose `keys`/`values` are views of the first columns of a reserved tensor; `merge` and `select` rebuild
-the reservation when rows join or leave, one layer at a time. The bytes reserved are exactly what the
+the reservation when rows join or leave, one layer at a time. A streaming model's `generate` takes one
+too (`generation_cache`), reserved for the prompt and the tokens to generate. The bytes reserved are exactly what the
 batch engine's admission counts (`admission.kv_peak`), so the memory a batch takes is the memory it was
 admitted for.
 """
@@ -20,7 +21,7 @@ import functools
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, get_layer_types_and_kwargs
 
 
 class ReservedLayer(DynamicLayer):
@@ -66,6 +67,14 @@ class ReservedLayer(DynamicLayer):
         self._keys, self._values = reserved_keys, reserved_values
         self.keys, self.values = reserved_keys[..., :width, :], reserved_values[..., :width, :]
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering of rows, written back into the reservation (DynamicLayer's would
+        leave `keys` apart from it, and the next update would write over the reordered rows)."""
+        if self.get_seq_length() > 0:
+            width = self.keys.shape[-2]
+            for reserved in (self._keys, self._values):
+                reserved[..., :width, :] = reserved[..., :width, :].index_select(0, beam_idx.to(reserved.device))
+
     def reset(self) -> None:
         self._keys = self._values = None
         super().reset()
@@ -86,6 +95,16 @@ def reserved_cache(capacity: int) -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = functools.partial(ReservedLayer, capacity)
     return cache
+
+
+def generation_cache(config, capacity: int) -> DynamicCache | None:
+    """A cache for `generate` reserved `capacity` columns wide (prompt plus new tokens), where transformers
+    would give every layer a full DynamicLayer; None (transformers' own cache) where a layer keeps less, as a
+    sliding window's does."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if any(DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is not DynamicLayer for kind in layer_types):
+        return None
+    return reserved_cache(capacity)
 
 
 def filled_layers(cache: DynamicCache) -> list[ReservedLayer]:

@@ -23,6 +23,7 @@ from ..memory import available_memory
 from ..quant import QuantizedTensor
 from ..serving import pass_memory
 from ..serving.admission import Shape, map_large_allocations, prefill_chunk, room
+from ..serving.kvcache import generation_cache
 from ..serving.text import check_context
 from ..store import Store
 from .attention import attention_kernels
@@ -414,6 +415,10 @@ class StreamingModel(TransformersHabits, WrapsModel):
             chunk = self.prefill_chunk(input_ids.shape[0], input_ids.shape[-1], new_tokens)
             if chunk < input_ids.shape[-1]:
                 kwargs["prefill_chunk_size"] = chunk
+        if input_ids is not None and kwargs.get("use_cache", True) and kwargs.get("past_key_values") is None:
+            cache = generation_cache(self.config, input_ids.shape[-1] + new_tokens)
+            if cache is not None:
+                kwargs["past_key_values"] = cache
         if kwargs.get("assistant_model") is not None:
             kwargs["assistant_model"] = self._assistant(kwargs["assistant_model"], "assistant_tokenizer" in kwargs)
         with self._profiled(), attention_kernels(self.device):
