@@ -276,6 +276,8 @@ void decode_group(const W& w, int64_t n, int64_t K, int64_t stride, float* buffe
 // at a time. The panel is the larger, so that x, read again for each panel, is read fewer times.
 constexpr int64_t kPanelBytes = 512 << 10;
 constexpr int64_t kRowBlockBytes = 96 << 10;
+// The longest row of x (float32: 16 KB) that stays in a 32 KB L1 data cache beside a weight read past it.
+constexpr int64_t kRowInL1 = 4096;
 
 // Every group of C output columns against all M rows, in tiles of R rows, the groups split over threads, a
 // panel of them against a block of rows at a time. For fewer than `buffer_rows` rows, each tile decodes its
@@ -320,9 +322,12 @@ void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_
   if constexpr (kLanes == 16) {
     if ((M == 7 || M == 8) && M < buffer_rows) return by_groups<3, 8>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }
-  // One row of a 16-bit weight, a product bound by reading it: tiles of 8 columns, which keep more loads in
-  // flight than 4 and read it faster (benchmarks/kernels.py).
+  // One row of a 16-bit weight, a product bound by reading it. While x's row stays in the L1 cache beside
+  // the weights streaming past (K up to kRowInL1), the weight's rows are read one after another: one
+  // sequential stream, which the hardware prefetcher follows across rows. A longer x would be read from L2
+  // for every weight row: there tiles of 8 columns read each chunk of x once for 8 rows (benchmarks/kernels.py).
   if constexpr (W::kBits == 16) {
+    if (M == 1 && K <= kRowInL1) return by_groups<1, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
     if (M == 1) return by_groups<8, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }
   by_groups<kColumns, kRows>(x, M, K, xs, w, N, y, ys, buffer_rows);
