@@ -14,7 +14,8 @@
 // Work is split over torch's threads by groups of output columns, and each thread multiplies a panel of its
 // groups by x a block of rows at a time, both sized for the L2 cache. For fewer than `buffer_rows` rows
 // (a 16-bit W: any number), each tile decodes its weights into registers; from then on, each panel is
-// decoded once into a buffer that every row reads.
+// decoded once into a buffer that every row reads. One row of x against a 16-bit W reads W as a few
+// sequential streams instead (one_row).
 // Built for AVX-512F (16 lanes, tiles of 6 rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has
 // no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
 // looked up in registers (AVX2: two 8-entry halves), an 8-bit one gathered from its 256-entry table; a
@@ -206,6 +207,17 @@ struct FromBuffer {
   inline Vec partial(int c, int64_t k) const { return load(buffer + c * stride + k); }
 };
 
+// C rows `gap` apart (row n0 + c * gap): each a stream of its own that goes on to the next row.
+template <class W>
+struct FromRowsApart {
+  static constexpr bool kPartialChunks = W::kPartialChunks;
+  const W& w;
+  int64_t n0;
+  int64_t gap;
+  inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c * gap, k); }
+  inline Vec partial(int c, int64_t k) const { return w.partial(n0 + c * gap, k); }
+};
+
 // Not inlined: a tile is a whole loop over K, and inlined into its callers its accumulators can lose registers.
 template <int R, int C, class Source>
 [[gnu::noinline]] void tile(const float* x, int64_t xs, const Source& source, int64_t K, float* y, int64_t ys) {
@@ -276,8 +288,6 @@ void decode_group(const W& w, int64_t n, int64_t K, int64_t stride, float* buffe
 // at a time. The panel is the larger, so that x, read again for each panel, is read fewer times.
 constexpr int64_t kPanelBytes = 512 << 10;
 constexpr int64_t kRowBlockBytes = 96 << 10;
-// The longest row of x (float32: 16 KB) that stays in a 32 KB L1 data cache beside a weight read past it.
-constexpr int64_t kRowInL1 = 4096;
 
 // Every group of C output columns against all M rows, in tiles of R rows, the groups split over threads, a
 // panel of them against a block of rows at a time. For fewer than `buffer_rows` rows, each tile decodes its
@@ -314,6 +324,28 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
   for (int64_t n = groups * C; n < N; ++n) rows<1, R>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);   // the last N % C
 }
 
+// Weight rows read ahead of a one-row product: as many sequential streams (see one_row).
+constexpr int kStreams = 4;
+
+// One row of x against a 16-bit weight, a product bound by reading the weight. Each thread cuts its rows into
+// kStreams equal spans and multiplies the i-th row of every span together: every span is read from start to
+// end, a sequential stream the hardware prefetcher follows across rows, and the spans' sums are independent
+// chains of fused multiply-adds, so they overlap. Tiles of adjacent rows would read every row as a short
+// stream of its own, which the prefetcher picks up late (benchmarks/kernels.py). Each output is still one
+// tile's sum, in the same order as in any batch.
+template <class W>
+void one_row(const float* x, int64_t K, const W& w, int64_t N, float* y) {
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    const int64_t span = (end - begin) / kStreams;
+    float out[kStreams];
+    for (int64_t i = 0; i < span; ++i) {
+      tile<1, kStreams>(x, 0, FromRowsApart<W>{w, begin + i, span}, K, out, 0);
+      for (int c = 0; c < kStreams; ++c) y[begin + i + c * span] = out[c];
+    }
+    for (int64_t n = begin + kStreams * span; n < end; ++n) tile<1, 1>(x, 0, FromCodes<W>{w, n}, K, y + n, 0);
+  });
+}
+
 template <class W>
 void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_t N, float* y, int64_t ys,
             int64_t buffer_rows) {
@@ -322,13 +354,8 @@ void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_
   if constexpr (kLanes == 16) {
     if ((M == 7 || M == 8) && M < buffer_rows) return by_groups<3, 8>(x, M, K, xs, w, N, y, ys, buffer_rows);
   }
-  // One row of a 16-bit weight, a product bound by reading it. While x's row stays in the L1 cache beside
-  // the weights streaming past (K up to kRowInL1), the weight's rows are read one after another: one
-  // sequential stream, which the hardware prefetcher follows across rows. A longer x would be read from L2
-  // for every weight row: there tiles of 8 columns read each chunk of x once for 8 rows (benchmarks/kernels.py).
   if constexpr (W::kBits == 16) {
-    if (M == 1 && K <= kRowInL1) return by_groups<1, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
-    if (M == 1) return by_groups<8, 1>(x, M, K, xs, w, N, y, ys, buffer_rows);
+    if (M == 1) return one_row(x, K, w, N, y);
   }
   by_groups<kColumns, kRows>(x, M, K, xs, w, N, y, ys, buffer_rows);
 }
