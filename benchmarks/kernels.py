@@ -3,7 +3,9 @@
 Run: `PYTHONPATH=src .venv/bin/python benchmarks/kernels.py [--rounds 3] [--shapes mlp-up head] [--rows 1 7 64 512]
 [--threads 1 --cpu-time]`. Prints the CPU's bfloat16 flags, then a markdown table per weight shape: for each row
 count, the ms and GFLOP/s of each setting, the median of `--rounds` rounds (each the best of a few calls), and
-the kernel's speed-up over torch's float32 product per round. On a machine shared with other work, `--threads 1
+the kernel's speed-up over torch's float32 product per round. A one-row product reads its weight from memory, as
+a decode step does (each call multiplies another of copies of it 256 MB in all); more rows, bound by the
+multiply-adds, reuse one copy. On a machine shared with other work, `--threads 1
 --cpu-time` times each product by the CPU time of the one thread that runs it, which other processes do not
 inflate (they still share the caches and memory).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -55,6 +58,9 @@ SETTINGS = [
     ("torch bf16, AVX2", "avx2", "bfloat16"),
 ]
 MIN_SECONDS = 0.2   # each measurement repeats a product until this long, at most MAX_CALLS times
+# A one-row product cycles through copies of its weight this large in all: each call reads its weight from
+# memory, as a decode step does, not from the caches the previous call filled.
+COLD_BYTES = 256 << 20
 MAX_CALLS = 20
 CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16")
 
@@ -143,20 +149,22 @@ def serve(threads: int | None, clock) -> None:
     weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def product(out_features: int, in_features: int, rows: int, kind: str):
-        if (out_features, in_features) not in weights:
+        copies = max(1, -(-COLD_BYTES // (out_features * in_features * 2))) if rows == 1 else 1
+        if (out_features, in_features, copies) not in weights:
             weights.clear()   # one shape at a time in memory
-            bf16 = torch.empty(out_features, in_features, dtype=torch.bfloat16).normal_(0, 0.02)
-            weights[out_features, in_features] = {"bfloat16": bf16}
-        held = weights[out_features, in_features]
+            bf16 = [torch.empty(out_features, in_features, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(copies)]
+            weights[out_features, in_features, copies] = {"bfloat16": bf16}
+        held = weights[out_features, in_features, copies]
         if kind == "float32" and "float32" not in held:
-            held["float32"] = held["bfloat16"].float()
+            held["float32"] = [weight.float() for weight in held["bfloat16"]]
         x = torch.randn(rows, in_features)
+        turn = itertools.cycle(range(copies))   # each call multiplies the copy read longest ago
         if kind == "kernel":
-            return lambda: half_linear.linear(x, held["bfloat16"], None)
+            return lambda: half_linear.linear(x, held["bfloat16"][next(turn)], None)
         if kind == "float32":
-            return lambda: F.linear(x, held["float32"])
+            return lambda: F.linear(x, held["float32"][next(turn)])
         x16 = x.to(torch.bfloat16)
-        return lambda: F.linear(x16, held["bfloat16"])
+        return lambda: F.linear(x16, held["bfloat16"][next(turn)])
 
     kernel = f"{torch.backends.cpu.get_cpu_capability()} build" if half_linear.available() else "off"
     print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "kernel": kernel,
