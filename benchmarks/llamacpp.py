@@ -143,7 +143,7 @@ def shardstream_run(args) -> dict:
         return torch.randint(3, vocab, (1, 1), generator=generator)
 
     def step(ids: torch.Tensor, cache) -> tuple:
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)   # the last position's logits, as llama-bench
         return out.past_key_values, next_token(out.logits)
 
     experts = getattr(model, "experts", None)
