@@ -146,17 +146,18 @@ def serve(threads: int | None, clock) -> None:
 
     if threads:
         torch.set_num_threads(threads)
-    weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    weights: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
 
     def product(out_features: int, in_features: int, rows: int, kind: str):
         copies = max(1, -(-COLD_BYTES // (out_features * in_features * 2))) if rows == 1 else 1
-        if (out_features, in_features, copies) not in weights:
+        if (out_features, in_features) not in weights:
             weights.clear()   # one shape at a time in memory
-            bf16 = [torch.empty(out_features, in_features, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(copies)]
-            weights[out_features, in_features, copies] = {"bfloat16": bf16}
-        held = weights[out_features, in_features, copies]
-        if kind == "float32" and "float32" not in held:
-            held["float32"] = [weight.float() for weight in held["bfloat16"]]
+            weights[out_features, in_features] = {"bfloat16": [], "float32": []}
+        held = weights[out_features, in_features]   # made as asked for, kept for the shape's other row counts
+        while len(held["bfloat16"]) < copies:
+            held["bfloat16"].append(torch.empty(out_features, in_features, dtype=torch.bfloat16).normal_(0, 0.02))
+        if kind == "float32":
+            held["float32"] += [weight.float() for weight in held["bfloat16"][len(held["float32"]):copies]]
         x = torch.randn(rows, in_features)
         turn = itertools.cycle(range(copies))   # each call multiplies the copy read longest ago
         if kind == "kernel":

@@ -22,8 +22,9 @@ prefill tok/s of a --prefill-tokens prompt. llama.cpp: one `llama-bench -t 2 -p 
 -r 1` (its warm-up run first, the depth's tokens untimed: both tests start from PROMPT tokens in the
 cache). shardstream (`AutoModel.from_pretrained(store)` with its defaults): a PROMPT-token forward into the
 KV cache `generate` reserves, one decode step untimed (as llama-bench's warm-up run), NEW decode steps
-timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. The decode steps feed greedy tokens (--decode-tokens greedy) or, by default
-for an MoE shape, random ones as llama-bench does: an MoE's routing, and so what it reads, follows the token. Both sides also report the bytes read from disk
+timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. The decode steps feed greedy
+tokens (--decode-tokens greedy) or, by default for an MoE shape, random ones as llama-bench does: an MoE's
+routing, and so what it reads, follows the token. Both sides also report the bytes read from disk
 during the decode steps (read_bytes of /proc/PID/io; for llama.cpp `python _llamacpp.py` runs llama-bench and
 counts them, inside the cap), and shardstream the share of routings its expert cache served. Settings,
 interleaved in that order every round (--rounds): llama.cpp bf16 GGUF (mmap; under the cap also

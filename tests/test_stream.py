@@ -135,8 +135,8 @@ SEARCHES = {"greedy": dict(do_sample=False), "beams": dict(num_beams=3, do_sampl
 
 @pytest.mark.parametrize("search", SEARCHES)
 def test_generate_writes_its_kv_cache_in_place_and_matches_transformers(llama, search):
-    """`generate` reserves the cache for the prompt and the new tokens (no copy of it per step); beam search's
-    reordering of rows and the rows repeated for several returned sequences land in that reservation."""
+    """`generate` reserves the cache for the prompt and the new tokens (no copy of it per step); beam search
+    reorders its rows inside that reservation, and several returned sequences each get a row of it."""
     reference, store_path = llama
     ids = _prompts(batch=2, length=9)
     options = dict(max_new_tokens=7, pad_token_id=0, **SEARCHES[search])

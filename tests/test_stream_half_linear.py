@@ -19,7 +19,7 @@ from avx2_build import needs_avx2, run_as_avx2
 needs_kernel = pytest.mark.skipif(not half_linear.available(), reason="no AVX-512 or AVX2, or no C++ compiler: the kernel is off here")
 DTYPES = [torch.bfloat16, torch.float16]
 # (out_features, in_features): whole 16-value chunks, and widths that end in a partial chunk of either build;
-# one row of x wider than 4096 values is multiplied by tiles of columns, a narrower one row by row
+# one row reads each thread's weight rows as spans side by side, with rows left over where they do not divide
 SHAPES = [(40, 96), (67, 33), (13, 256), (5, 7), (9, 2049), (3, 0), (11, 4111)]
 
 

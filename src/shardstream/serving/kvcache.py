@@ -10,9 +10,9 @@ StaticCache writes in place but cannot take rows in or out, which continuous bat
 steps. `ReservedLayer` is a DynamicLayer (so transformers' masks and `get_seq_length` work unchanged)
 whose `keys`/`values` are views of the first columns of a reserved tensor; `merge` and `select` rebuild
 the reservation when rows join or leave, one layer at a time. A streaming model's `generate` takes one
-too (`generation_cache`), reserved for the prompt and the tokens to generate. The bytes reserved are exactly what the
-batch engine's admission counts (`admission.kv_peak`), so the memory a batch takes is the memory it was
-admitted for.
+too (`generation_cache`), reserved for the prompt and the tokens to generate. The bytes reserved are
+exactly what the batch engine's admission counts (`admission.kv_peak`), so the memory a batch takes is
+the memory it was admitted for.
 """
 
 from __future__ import annotations

@@ -411,14 +411,15 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.check_open()
         new_tokens = kwargs.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 0
         self.check_length(input_ids, new_tokens)
-        if input_ids is not None and kwargs.get("use_cache", True) and "prefill_chunk_size" not in kwargs:
-            chunk = self.prefill_chunk(input_ids.shape[0], input_ids.shape[-1], new_tokens)
-            if chunk < input_ids.shape[-1]:
-                kwargs["prefill_chunk_size"] = chunk
-        if input_ids is not None and kwargs.get("use_cache", True) and kwargs.get("past_key_values") is None:
-            cache = generation_cache(self.config, input_ids.shape[-1] + new_tokens)
-            if cache is not None:
-                kwargs["past_key_values"] = cache
+        if input_ids is not None and kwargs.get("use_cache", True):
+            if "prefill_chunk_size" not in kwargs:
+                chunk = self.prefill_chunk(input_ids.shape[0], input_ids.shape[-1], new_tokens)
+                if chunk < input_ids.shape[-1]:
+                    kwargs["prefill_chunk_size"] = chunk
+            if kwargs.get("past_key_values") is None:
+                cache = generation_cache(self.config, input_ids.shape[-1] + new_tokens)
+                if cache is not None:
+                    kwargs["past_key_values"] = cache
         if kwargs.get("assistant_model") is not None:
             kwargs["assistant_model"] = self._assistant(kwargs["assistant_model"], "assistant_tokenizer" in kwargs)
         with self._profiled(), attention_kernels(self.device):

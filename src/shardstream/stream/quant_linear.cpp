@@ -324,7 +324,7 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
   for (int64_t n = groups * C; n < N; ++n) rows<1, R>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);   // the last N % C
 }
 
-// Weight rows read ahead of a one-row product: as many sequential streams (see one_row).
+// The sequential streams a one-row product reads its weight as (see one_row).
 constexpr int kStreams = 4;
 
 // One row of x against a 16-bit weight, a product bound by reading the weight. Each thread cuts its rows into
