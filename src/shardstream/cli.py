@@ -259,7 +259,7 @@ def use_huge_pages_for_tensors() -> None:
     """Ask torch's CPU allocator for transparent huge pages on tensors of 2 MiB or more (PyTorch's
     `THP_MEM_ALLOC_ENABLE`, read once when torch first allocates, so set before it is imported; a
     user's own setting wins). Every pass over the blocks makes fresh activations, each of 1 MiB or more
-    mapped anew (admission.map_large_allocations) and faulted in page by page; huge pages halve the faults
+    mapped anew (admission.map_large_allocations) and faulted in page by page; huge pages take fewer faults
     at the same peak memory (docs/BENCHMARKS.md, section "Many tokens per weight read"). The kernel ignores
     the hint where transparent huge pages are off."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

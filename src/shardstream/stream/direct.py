@@ -8,7 +8,7 @@ speed. Two ways around it read into our own buffers, so the same few buffers ser
 - 'direct': O_DIRECT, from the disk straight into the buffers, nothing in the page cache and no
   copy on the CPU (DeepSpeed's NVMe offload reads this way). The buffers are backed by transparent
   huge pages (`read_buffer`): with 4 KiB pages a request holds at most the queue's max_segments
-  pages (1 MiB on a virtio disk) and O_DIRECT reads slower than the page cache; with 2 MiB pages it
+  pages and O_DIRECT reads slower than the page cache; with 2 MiB pages it
   reads faster than ordinary reads, and faster than 'dropped' below (docs/BENCHMARKS.md, section
   "Real shapes"). A GPU's page-locked buffers are read so too. A filesystem without O_DIRECT (tmpfs,
   some FUSE mounts) raises `DirectUnsupported`, and the caller maps the file instead.
@@ -140,9 +140,9 @@ def read_buffer(size: int) -> mmap.mmap:
     """A page-aligned buffer to read files into, backed by huge pages where the kernel gives them.
 
     Private, not the shared mapping `mmap.mmap(-1, n)` makes (shared anonymous memory gets no transparent
-    huge pages). With 4 KiB pages an O_DIRECT request holds at most the queue's max_segments pages
-    (254 on a virtio disk: 1 MiB); with 2 MiB pages each request is as large as the queue takes, and
-    reads faster (docs/BENCHMARKS.md, section "Real shapes", has the figures)."""
+    huge pages). With 4 KiB pages an O_DIRECT request holds at most the queue's max_segments pages;
+    with 2 MiB pages each request is as large as the queue takes, and reads faster (docs/BENCHMARKS.md:
+    the machines' disk, and section "Real shapes", have the figures)."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
