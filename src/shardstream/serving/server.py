@@ -28,7 +28,6 @@ from .stops import StopFilter
 from .text import chat_prompt
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.2   # how often a whole (unstreamed) reply checks that its client is still there
 
 
 def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engine,
@@ -135,7 +134,7 @@ def create_app(model, tokenizer: PreTrainedTokenizerBase, model_id: str, *, engi
         for choice in choices:
             yield _event(reply.chunk(reply.first_delta(choice, tokenizer)))
         try:
-            async for choice, event in _events(choices, request, poll=False):
+            async for choice, event in _events(choices, request, watch=False):
                 piece, entries = _advance(choice, event, tokenizer)
                 if piece or entries or choice.finish:
                     yield _event(reply.chunk(reply.delta(choice, piece, entries, tokenizer)))
@@ -213,9 +212,10 @@ class _Usage:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion, "total_tokens": self.total}
 
 
-async def _events(choices: list[_Choice], request: Request, poll: bool = True) -> AsyncIterator[tuple[_Choice, TokenEvent]]:
+async def _events(choices: list[_Choice], request: Request,
+                  watch: bool = True) -> AsyncIterator[tuple[_Choice, TokenEvent]]:
     """Every choice's events as they come. Each sequence is read in its own thread; when the client
-    disconnects (polled for whole replies; a streamed reply is closed by the server) or the consumer
+    disconnects (watched for whole replies; a streamed reply is closed by the server) or the consumer
     stops, the unfinished sequences are cancelled and leave the batch at the next step."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -228,19 +228,21 @@ async def _events(choices: list[_Choice], request: Request, poll: bool = True) -
         except BaseException as error:
             loop.call_soon_threadsafe(inbox.put_nowait, (choice, error))
 
+    async def watch_disconnect() -> None:
+        """The body is read, so the next message the server receives is the client going away."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        inbox.put_nowait((None, None))
+
     for choice in choices:
         threading.Thread(target=pump, args=(choice,), daemon=True).start()
-    pending, checked = len(choices), time.monotonic()
+    watcher = asyncio.create_task(watch_disconnect()) if watch else None
+    pending = len(choices)
     try:
         while pending:
-            if poll and time.monotonic() - checked > DISCONNECT_POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return
-            try:
-                choice, item = await asyncio.wait_for(inbox.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                continue
+            choice, item = await inbox.get()
+            if choice is None:
+                return
             if item is None:
                 pending -= 1
             elif isinstance(item, BaseException):
@@ -248,6 +250,8 @@ async def _events(choices: list[_Choice], request: Request, poll: bool = True) -
             else:
                 yield choice, item
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for choice in choices:
             if choice.finish is None:
                 choice.sequence.cancel()
