@@ -35,7 +35,7 @@ def _packed(out_features: int, in_features: int, blocksize: int, method: str = "
 
 @needs_kernel
 @pytest.mark.parametrize("method", ["4bit", "8bit"])
-@pytest.mark.parametrize("out_features,in_features,blocksize", [(40, 96, 64), (67, 32, 16), (13, 256, 128)])
+@pytest.mark.parametrize("out_features,in_features,blocksize", [(40, 96, 64), (67, 32, 16), (13, 256, 128), (21, 96, 48)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, 31, 32, 33])
 def test_the_kernel_matches_the_dequantized_product_and_a_row_keeps_its_bits_in_any_batch(
         out_features, in_features, blocksize, rows, method):

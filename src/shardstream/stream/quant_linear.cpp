@@ -18,8 +18,9 @@
 // sequential streams instead (one_row).
 // Built for AVX-512F (16 lanes, tiles of 6 rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has
 // no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
-// looked up in registers (AVX2: two 8-entry halves), an 8-bit one gathered from its 256-entry table; a
-// bfloat16 value is shifted into a float32's high half, a float16 one converted. A quantized W's K and
+// looked up in registers (AVX2: a byte's two values loaded at once from a table of pairs), an 8-bit one
+// gathered from its 256-entry table; a bfloat16 value is shifted into a float32's high half, a float16 one
+// converted. A quantized W's K and
 // blocksize are multiples of 16; a 16-bit W's K is any: the last K % 16 (AVX2: K % 8) values of each row of
 // W and of x are read into a zero-padded chunk, summed last.
 #include <ATen/Parallel.h>
@@ -92,22 +93,23 @@ using Vec = __m256;
 
 struct Table {
   const float* entries;   // 16 (4-bit) or 256 (8-bit)
-  __m256 low, high;       // 4-bit: entries 0-7 and 8-15
-  explicit Table(const float* table) : entries(table), low(_mm256_loadu_ps(table)), high(_mm256_loadu_ps(table + 8)) {}
+  // 4-bit: every byte's two values, its high nibble's first. AVX2 has no one-instruction lookup of 16 floats;
+  // loading a byte's pair from this table takes fewer shuffles than two 8-entry lookups and a blend, which
+  // are slow where a 256-bit shuffle is split in two (AMD's Zen 1).
+  alignas(64) float pairs[256][2];
+  explicit Table(const float* table) : entries(table) {
+    for (int byte = 0; byte < 256; ++byte) {
+      pairs[byte][0] = table[byte >> 4];
+      pairs[byte][1] = table[byte & 15];
+    }
+  }
 };
 
-// 8 values from 4 bytes of 4-bit codes; bit 3 of each code picks the half of the table.
+// 8 values from 4 bytes of 4-bit codes: each byte's pair of values, in order.
 inline Vec decode4(const uint8_t* bytes, const Table& table, Vec scale) {
-  int32_t word;
-  std::memcpy(&word, bytes, sizeof word);
-  __m128i packed = _mm_cvtsi32_si128(word);
-  __m128i high = _mm_srli_epi16(packed, 4);
-  __m128i pairs = _mm_unpacklo_epi8(high, packed);
-  __m256i index = _mm256_cvtepu8_epi32(pairs);           // permutevar8x32 reads only the low 3 bits
-  __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));   // bit 3 as the sign: blendv's choice
-  __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(table.low, index),
-                                  _mm256_permutevar8x32_ps(table.high, index), upper);
-  return _mm256_mul_ps(value, scale);
+  const auto pair = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(table.pairs[bytes[i]])); };
+  const __m128i first = _mm_unpacklo_epi64(pair(0), pair(1)), second = _mm_unpacklo_epi64(pair(2), pair(3));
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_set_m128i(second, first)), scale);
 }
 
 // 8 values from 8 bytes of 8-bit codes.
@@ -159,11 +161,16 @@ struct Weight {
   const float* absmax;
   int64_t K;
   int64_t blocksize;
+  int block_shift;   // log2(blocksize) where it is a power of two (bitsandbytes' always are), else -1
   Table table;
+
+  // A chunk's block: a shift, not a 64-bit division, which takes tens of cycles on some CPUs (AMD's Zen 1 among
+  // them) and, once a chunk, bounds the whole product there (docs/BENCHMARKS.md, "int4 on the CPU").
+  inline int64_t block(int64_t flat) const { return block_shift >= 0 ? flat >> block_shift : flat / blocksize; }
 
   inline Vec chunk(int64_t n, int64_t k) const {
     const int64_t flat = n * K + k;
-    const Vec scale = broadcast(absmax[flat / blocksize]);
+    const Vec scale = broadcast(absmax[block(flat)]);
     Vec value;
     if constexpr (Bits == 4) value = decode4(codes + flat / 2, table, scale);
     else value = decode8(codes + flat, table, scale);
@@ -363,7 +370,9 @@ void linear(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int64_
 template <int Bits, int Round>
 void quantized(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* codes, const float* absmax,
                int64_t N, int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
-  linear(x, M, K, xs, Weight<Bits, Round>{codes, absmax, K, blocksize, Table(table)}, N, y, ys, buffer_rows);
+  const bool power_of_two = blocksize > 0 && (blocksize & (blocksize - 1)) == 0;
+  const int shift = power_of_two ? __builtin_ctzll(static_cast<unsigned long long>(blocksize)) : -1;
+  linear(x, M, K, xs, Weight<Bits, Round>{codes, absmax, K, blocksize, shift, Table(table)}, N, y, ys, buffer_rows);
 }
 
 template <int Bits>
