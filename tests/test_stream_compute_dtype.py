@@ -265,3 +265,28 @@ def test_generate_prefills_a_long_prompt_in_the_chunks_admission_sizes(stores, m
         model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         hook.remove()
     assert passes == [25, 25, 1, 1, 1]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_model_that_reads_nothing_a_pass_prefills_in_short_chunks(stores, monkeypatch, rows):
+    """Every block and the head resident: a pass reads no weights, so a prompt goes in passes of at most
+    RESIDENT_PREFILL_CHUNK tokens (over all rows), keeping a prefill's activations small; streamed blocks keep
+    admission's chunk (here the whole prompt), since every pass reads them again. Tokens equal one pass's."""
+    _, store = stores("llama", "bfloat16")
+    monkeypatch.setattr("shardstream.stream.model.RESIDENT_PREFILL_CHUNK", 16)
+    ids = torch.randint(3, 128, (rows, 40), generator=torch.Generator().manual_seed(4))
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    sequences, passes = {}, {}
+    for residency in ("auto", 0):
+        with AutoModel.from_pretrained(store, compute_dtype="float32", max_resident_memory=residency) as model, \
+                torch.no_grad():
+            assert (not model.pieces) == (residency == "auto")
+            seen = passes[residency] = []
+            hook = model.model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[-1]),
+                                                         with_kwargs=True)
+            sequences[residency] = model.generate(ids, **options)
+            hook.remove()
+    columns = 16 // rows
+    assert passes["auto"] == [columns] * (40 // columns) + [40 % columns] * (40 % columns > 0) + [1, 1]
+    assert passes[0] == [40, 1, 1]
+    assert torch.equal(sequences["auto"], sequences[0])

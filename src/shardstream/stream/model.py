@@ -49,6 +49,10 @@ from .weights import Slots, WeightMapper
 # them (where OpenMP teams fight for the cores); one row keeps the readers. docs/BENCHMARKS.md ("Quantized
 # stores") has the measurements.
 COMPUTE_BOUND_ROWS = 4
+# Tokens per prefill pass at most where a pass reads nothing (every block and the head resident on the CPU):
+# there a chunk costs no weight reads, its products run as fast as a longer one's, and its activations are
+# a quarter of a 512-token pass's (docs/BENCHMARKS.md, "Beside llama.cpp on the CPU").
+RESIDENT_PREFILL_CHUNK = 128
 
 
 def _check_files(store: Store, parts: list[str]) -> None:
@@ -428,9 +432,12 @@ class StreamingModel(TransformersHabits, WrapsModel):
     def prefill_chunk(self, rows: int, length: int, new_tokens: int) -> int:
         """Tokens per pass of a prefill (transformers' chunked prefill: each chunk a pass over the blocks,
         its keys and values added to the cache), so that the prefill's activations and the KV cache fit the
-        memory left now, in the compute dtype (admission.prefill_chunk)."""
+        memory left now, in the compute dtype (admission.prefill_chunk); at most RESIDENT_PREFILL_CHUNK rows
+        a pass where a pass reads no weights."""
         shape = Shape.of(self.config, self.model.dtype)
-        return prefill_chunk(shape, rows, length, new_tokens, room(self.device))
+        chunk = prefill_chunk(shape, rows, length, new_tokens, room(self.device))
+        reads_nothing = self.device.type == "cpu" and not self.pieces and not self.experts and self._ends.head_resident
+        return min(chunk, max(1, RESIDENT_PREFILL_CHUNK // rows)) if reads_nothing else chunk
 
     def _assistant(self, draft, own_tokenizer: bool) -> PreTrainedModel:
         """The transformers model inside a StreamingModel draft (its hooks keep streaming it); a draft
