@@ -20,9 +20,8 @@
 // no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
 // looked up in registers (AVX2: a byte's two values loaded at once from a table of pairs), an 8-bit one
 // gathered from its 256-entry table; a bfloat16 value is shifted into a float32's high half, a float16 one
-// converted. A quantized W's K and
-// blocksize are multiples of 16; a 16-bit W's K is any: the last K % 16 (AVX2: K % 8) values of each row of
-// W and of x are read into a zero-padded chunk, summed last.
+// converted. A quantized W's K and blocksize are multiples of 16; a 16-bit W's K is any: the last K % 16
+// (AVX2: K % 8) values of each row of W and of x are read into a zero-padded chunk, summed last.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -164,8 +163,8 @@ struct Weight {
   int block_shift;   // log2(blocksize) where it is a power of two (bitsandbytes' always are), else -1
   Table table;
 
-  // A chunk's block: a shift, not a 64-bit division, which takes tens of cycles on some CPUs (AMD's Zen 1 among
-  // them) and, once a chunk, bounds the whole product there (docs/BENCHMARKS.md, "int4 on the CPU").
+  // A chunk's block: a shift, not a 64-bit division, which is slow on some CPUs (AMD's Zen 1 among them) and,
+  // once a chunk, bounds the whole product there (docs/BENCHMARKS.md, "int4 on the CPU").
   inline int64_t block(int64_t flat) const { return block_shift >= 0 ? flat >> block_shift : flat / blocksize; }
 
   inline Vec chunk(int64_t n, int64_t k) const {
