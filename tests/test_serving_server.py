@@ -3,7 +3,9 @@ httpx: the OpenAI surface (answered or refused by name), errors, API key, batchi
 
 from __future__ import annotations
 
+import http.client
 import json
+import select
 import signal
 import socket
 import subprocess
@@ -112,6 +114,24 @@ def test_a_kept_alive_connection_is_not_held_by_nagle(server):
             http.get("/health").raise_for_status()
             seconds.append(time.perf_counter() - started)
     assert min(seconds[1:]) < 0.03, seconds
+
+
+def test_an_idle_kept_alive_connection_outlives_a_client_pools_expiry(server):
+    """httpx drops a pooled connection after 5 s idle; a server that closed it at 5 s too could close it
+    under a request just sent (the client reads "Server disconnected"). After 6 s idle the connection is
+    still open, and answers the next request on it."""
+    served, _, _, _, _ = server
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read() == b'{"status":"ok"}'
+        time.sleep(6)
+        assert select.select([connection.sock], [], [], 0)[0] == []   # a closed connection reads as readable
+        opened = connection.sock
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200 and connection.sock is opened
+    finally:
+        connection.close()
 
 
 def test_completion_whole_and_streamed_equal_the_reference(server):

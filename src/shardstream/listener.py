@@ -1,9 +1,16 @@
 """The TCP listening socket that `serve` and a pipeline agent hand to uvicorn (`sockets=`), bound
-before the slow start so that a port in use is said at once."""
+before the slow start so that a port in use is said at once, and the uvicorn settings every server of
+shardstream shares."""
 
 from __future__ import annotations
 
 import socket
+
+# How long an idle kept-alive connection stays open: longer than the clients and proxies that pool
+# connections keep one (httpx and Node 5 s, aiohttp 15 s, load balancers 60 s), so that the client
+# always drops it first. With uvicorn's 5 s, a request sent on a pooled connection just as the server
+# closed it failed with "Server disconnected without sending a response" (POSTs are not retried).
+KEEP_ALIVE_S = 75
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:
@@ -23,3 +30,11 @@ def tcp_listener(host: str, port: int) -> socket.socket:
         listener.close()
         raise
     return listener
+
+
+def server_config(app, **options):
+    """The uvicorn.Config of a shardstream server: warnings only in its log, idle connections kept
+    `KEEP_ALIVE_S`; `options` add to these."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, **options)

@@ -82,8 +82,7 @@ def serve_command(
         raise InvalidOption("--tp-timeout goes with --tensor-parallel; leave it out, or add --tensor-parallel.")
     options = command_options(engine, batch_size=max_batch_size)
     listener = bind(host, port)
-    import uvicorn
-
+    from ..listener import server_config
     from ..serving.openai_api import RequestLog
     from ..serving.batching import BatchEngine
     from ..serving.text import eos_ids, load_tokenizer, pad_id
@@ -96,8 +95,7 @@ def serve_command(
                              max_batch_size=max_batch_size)
         app = endpoint.app(model, tokenizer, engine)
         say(endpoint.listening(listener.getsockname()[1]))
-        server = server_class()(uvicorn.Config(app if quiet else RequestLog(app), log_level="warning",
-                                               timeout_graceful_shutdown=STOP_S))
+        server = server_class()(server_config(app if quiet else RequestLog(app), timeout_graceful_shutdown=STOP_S))
 
         def stop(number: signal.Signals) -> None:
             engine.abort(ServerStopping(f"this server is stopping ({number.name}); send the request again once it "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from starlette.responses import JSONResponse
 
 from ..errors import GroupLost, ShardstreamError
+from ..listener import server_config
 from ..serving.openai_api import HEALTH_PATH, APIError, RequestLog
 from ..serving.endpoint import Endpoint, bind, log_batch_bounds, say, say_resident, server_class, stop_on_signals
 from .tp_generate import open_rank
@@ -100,14 +101,11 @@ class _RankZero:
     joined and loaded in another, the engine and the group torn down at the end."""
 
     def __init__(self, open_model: Callable, endpoint: Endpoint, heartbeat_s: float):
-        import uvicorn
-
         self.open_model, self.endpoint, self.heartbeat_s = open_model, endpoint, heartbeat_s
         self.listener = bind(endpoint.host, endpoint.port)
         self.gate = Gate()
         app = self.gate if endpoint.quiet else RequestLog(self.gate)
-        self.server = server_class()(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=CLOSE_S))
+        self.server = server_class()(server_config(app, lifespan="off", timeout_graceful_shutdown=CLOSE_S))
         self.model = self.calls = self.engine = None
         self.failure: BaseException | None = None   # why loading failed
         self.problem: GroupLost | None = None       # why the group cannot go on

@@ -58,7 +58,7 @@ def agent_command(
     import zmq
 
     from ..atomic import write_json_atomic
-    from ..listener import tcp_listener
+    from ..listener import server_config, tcp_listener
     from ..sizes import parse_size
     from ..stream.compute_dtype import parse_compute_dtype
     from ..stream.engine_options import EngineOptions
@@ -101,7 +101,7 @@ def agent_command(
         typer.echo(f"agent {name} listening on http://{host}:{port} (data port {agent.data_port})")
         for stop_signal in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal it stopped for:
             signal.signal(stop_signal, _exit_quietly)          # exit through `finally`, not by the signal
-        server = uvicorn.Server(uvicorn.Config(create_agent_app(agent, not quiet), log_level="warning"))
+        server = uvicorn.Server(server_config(create_agent_app(agent, not quiet)))
         refused: list[Exception] = []
         if join:
             own = host if host not in ("0.0.0.0", "::", "") else advertise_host(urlsplit(join).hostname or "127.0.0.1")

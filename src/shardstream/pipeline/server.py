@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, PipelineUnavailable
-from ..listener import tcp_listener
+from ..listener import server_config, tcp_listener
 from ..serving.openai_api import HEALTH_PATH, APIError, RequireBearer, install_errors
 from ..serving.server import create_app
 from .client import AgentClient
@@ -99,7 +99,7 @@ class BackgroundServer:
             raise InvalidOption(f"the coordinator cannot listen on {host}:{port} ({error.strerror}); stop what uses "
                                 "that port or pick another --serve-port.") from None
         self.port = listener.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._server = uvicorn.Server(server_config(app))
         self._thread = threading.Thread(target=self._run, args=(listener,), name="coordinator-http", daemon=True)
         self._thread.start()
         while not self._server.started:
