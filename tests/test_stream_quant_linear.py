@@ -56,16 +56,19 @@ def test_the_kernel_matches_the_dequantized_product_and_a_row_keeps_its_bits_in_
 @needs_kernel
 @pytest.mark.parametrize("method", ["4bit", "8bit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_half_precision_weight_multiplies_the_values_dequantization_writes(method, dtype):
+@pytest.mark.parametrize("out_features,in_features,blocksize", [(40, 96, 64), (24, 128, 64), (21, 96, 48)])
+def test_a_half_precision_weight_multiplies_the_values_dequantization_writes(method, dtype, out_features, in_features,
+                                                                             blocksize):
     """Each decoded value is rounded to the checkpoint's dtype, as dequantizing into it rounds (without, float32
-    products differ by ~1e-3); an activation in that dtype gets the dtype's own product, within one rounding."""
+    products differ by ~1e-3); an activation in that dtype gets the dtype's own product, within one rounding.
+    Rows that start on a block (K a multiple of the block size) are read a block at a time, others a chunk."""
     torch.manual_seed(0)
-    weight = quant.quantize((torch.randn(40, 96) * 0.05).to(dtype), method, 64)
+    weight = quant.quantize((torch.randn(out_features, in_features) * 0.05).to(dtype), method, blocksize)
     assert quant_linear.packable(weight.meta)
-    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(40, 96)
+    dense = quant.dequantize(weight.data, weight.absmax, weight.meta).view(out_features, in_features)
     assert dense.dtype == dtype
     for rows in (1, 8, 33):
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, in_features)
         assert (quant_linear.linear(x, weight, None) - F.linear(x, dense.float())).abs().max().item() <= 1e-5
         half = quant_linear.linear(x.to(dtype), weight, None)
         assert half.dtype == dtype

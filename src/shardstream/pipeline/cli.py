@@ -62,7 +62,6 @@ def agent_command(
     from ..sizes import parse_size
     from ..stream.compute_dtype import parse_compute_dtype
     from ..stream.engine_options import EngineOptions
-    from .agent import Agent, create_agent_app
     from .discovery import advertise_host
     from .local import follow_parent
 
@@ -84,6 +83,8 @@ def agent_command(
     if data_port is None:   # --port 0 asks for free ports: the data port too, not the bound port + 1
         data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
+    from .agent import Agent, create_agent_app   # the stages' engine: after a port in use is said at once
+
     try:
         agent = Agent(name, token, cache_dir, data_port, limit, EngineOptions(compute_dtype=engine.compute_dtype))
     except zmq.ZMQError as error:

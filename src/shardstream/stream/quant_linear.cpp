@@ -18,10 +18,10 @@
 // sequential streams instead (one_row).
 // Built for AVX-512F (16 lanes, tiles of 6 rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has
 // no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
-// looked up in registers (AVX2: a byte's two values loaded at once from a table of pairs), an 8-bit one
-// gathered from its 256-entry table; a bfloat16 value is shifted into a float32's high half, a float16 one
-// converted. A quantized W's K and blocksize are multiples of 16; a 16-bit W's K is any: the last K % 16
-// (AVX2: K % 8) values of each row of W and of x are read into a zero-padded chunk, summed last.
+// looked up in registers among its block's 16 values, made once a block (AVX2: a byte shuffle per byte of the
+// values), an 8-bit one gathered from its 256-entry table; a bfloat16 value is shifted into a float32's high
+// half, a float16 one converted. A quantized W's K and blocksize are multiples of 16; a 16-bit W's K is any:
+// the last K % 16 (AVX2: K % 8) values of each row of W and of x are read into a zero-padded chunk, summed last.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -39,25 +40,28 @@ constexpr int kRows = 6;
 constexpr int kLanes = 16;
 using Vec = __m512;
 
-struct Table {
-  const float* entries;   // 16 (4-bit) or 256 (8-bit)
-  __m512 values;          // 4-bit: all 16 entries in one register
-  explicit Table(const float* table) : entries(table), values(_mm512_loadu_ps(table)) {}
+// The 4-bit block a row is being read in, and its 16 values (see Weight::enter): one register.
+struct Block4 {
+  int64_t index = -1;
+  __m512 values;
 };
+template <int Round>
+inline void set_values(Block4& block, const __m512 (&values)[1]) { block.values = values[0]; }
 
-// 16 values from 8 bytes of 4-bit codes: the nibbles in order, looked up in the table, times the scale.
-inline Vec decode4(const uint8_t* bytes, const Table& table, Vec scale) {
+// 16 values from 8 bytes of 4-bit codes: the nibbles in order, looked up in the block's values.
+template <int Round>
+inline Vec decode4(const uint8_t* bytes, const Block4& block) {
   __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   __m128i high = _mm_srli_epi16(packed, 4);              // each byte's high nibble in its low 4 bits
   __m128i pairs = _mm_unpacklo_epi8(high, packed);       // high0 low0 high1 low1 ... (low 4 bits count)
   __m512i index = _mm512_cvtepu8_epi32(pairs);           // permutexvar reads only the low 4 bits
-  return _mm512_mul_ps(_mm512_permutexvar_ps(index, table.values), scale);
+  return _mm512_permutexvar_ps(index, block.values);
 }
 
-// 16 values from 16 bytes of 8-bit codes.
-inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
+// 16 entries of the 256-entry table from 16 bytes of 8-bit codes.
+inline Vec decode8(const uint8_t* bytes, const float* table) {
   __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  return _mm512_mul_ps(_mm512_i32gather_ps(index, table.entries, 4), scale);
+  return _mm512_i32gather_ps(index, table, 4);
 }
 
 // The float32 values rounded to bfloat16 (to nearest even: add 0x7FFF plus the kept part's lowest bit, cut
@@ -82,6 +86,7 @@ inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 #else
@@ -90,31 +95,60 @@ constexpr int kRows = 4;
 constexpr int kLanes = 8;
 using Vec = __m256;
 
-struct Table {
-  const float* entries;   // 16 (4-bit) or 256 (8-bit)
-  // 4-bit: every byte's two values, its high nibble's first. AVX2 has no one-instruction lookup of 16 floats;
-  // loading a byte's pair from this table takes fewer shuffles than two 8-entry lookups and a blend, which
-  // are slow where a 256-bit shuffle is split in two (AMD's Zen 1).
-  alignas(64) float pairs[256][2];
-  explicit Table(const float* table) : entries(table) {
-    for (int byte = 0; byte < 256; ++byte) {
-      pairs[byte][0] = table[byte >> 4];
-      pairs[byte][1] = table[byte & 15];
+// The 4-bit block a row is being read in, and its 16 values (see Weight::enter) as byte planes: plane j holds
+// byte j of every value, so that one byte shuffle looks up a byte of 16 values at once. A bfloat16 value
+// (Round 1) is its upper two bytes, the lower two are zero; a float16 one (Round 2) is its two bytes as
+// float16; a float32 one, its upper two bytes (planes 0-1) and then its lower two (2-3).
+struct Block4 {
+  int64_t index = -1;
+  __m128i planes[4];
+};
+template <int Round>
+inline void set_values(Block4& block, const __m256 (&values)[2]) {
+  if constexpr (Round == 2) {
+    const __m128i bytes = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);   // low bytes, high bytes
+    const __m128i first = _mm_shuffle_epi8(_mm256_cvtps_ph(values[0], _MM_FROUND_TO_NEAREST_INT), bytes);
+    const __m128i second = _mm_shuffle_epi8(_mm256_cvtps_ph(values[1], _MM_FROUND_TO_NEAREST_INT), bytes);
+    block.planes[0] = _mm_unpacklo_epi64(first, second);
+    block.planes[1] = _mm_unpackhi_epi64(first, second);
+  } else {
+    // each quarter's 4 values with their bytes gathered (byte 0 of each, then byte 1, ...), then the 4 x 4
+    // words transposed into planes
+    const __m128i bytes = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const auto quarter = [&](__m128 v) { return _mm_shuffle_epi8(_mm_castps_si128(v), bytes); };
+    const __m128i q0 = quarter(_mm256_castps256_ps128(values[0])), q1 = quarter(_mm256_extractf128_ps(values[0], 1));
+    const __m128i q2 = quarter(_mm256_castps256_ps128(values[1])), q3 = quarter(_mm256_extractf128_ps(values[1], 1));
+    const __m128i t0 = _mm_unpacklo_epi32(q0, q1), t1 = _mm_unpackhi_epi32(q0, q1);
+    const __m128i t2 = _mm_unpacklo_epi32(q2, q3), t3 = _mm_unpackhi_epi32(q2, q3);
+    block.planes[0] = _mm_unpacklo_epi64(t1, t3);   // byte 2
+    block.planes[1] = _mm_unpackhi_epi64(t1, t3);   // byte 3
+    if constexpr (Round == 0) {
+      block.planes[2] = _mm_unpacklo_epi64(t0, t2);   // byte 0
+      block.planes[3] = _mm_unpackhi_epi64(t0, t2);   // byte 1
     }
   }
-};
-
-// 8 values from 4 bytes of 4-bit codes: each byte's pair of values, in order.
-inline Vec decode4(const uint8_t* bytes, const Table& table, Vec scale) {
-  const auto pair = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(table.pairs[bytes[i]])); };
-  const __m128i first = _mm_unpacklo_epi64(pair(0), pair(1)), second = _mm_unpacklo_epi64(pair(2), pair(3));
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_set_m128i(second, first)), scale);
 }
 
-// 8 values from 8 bytes of 8-bit codes.
-inline Vec decode8(const uint8_t* bytes, const Table& table, Vec scale) {
+// 8 values from 4 bytes of 4-bit codes: the nibbles in order, each byte of their values looked up in its plane.
+template <int Round>
+inline Vec decode4(const uint8_t* bytes, const Block4& block) {
+  int32_t four;
+  std::memcpy(&four, bytes, sizeof four);
+  const __m128i packed = _mm_cvtsi32_si128(four);
+  const __m128i codes = _mm_and_si128(_mm_unpacklo_epi8(_mm_srli_epi16(packed, 4), packed), _mm_set1_epi8(0x0F));
+  const auto plane = [&](int j) { return _mm_shuffle_epi8(block.planes[j], codes); };
+  const __m128i upper = _mm_unpacklo_epi8(plane(0), plane(1));   // each value's two bytes from planes 0-1
+  if constexpr (Round == 2) return _mm256_cvtph_ps(upper);
+  __m128i lower = _mm_setzero_si128();
+  if constexpr (Round == 0) lower = _mm_unpacklo_epi8(plane(2), plane(3));
+  const __m128i first = _mm_unpacklo_epi16(lower, upper), second = _mm_unpackhi_epi16(lower, upper);
+  return _mm256_castsi256_ps(_mm256_set_m128i(second, first));
+}
+
+// 8 entries of the 256-entry table from 8 bytes of 8-bit codes.
+inline Vec decode8(const uint8_t* bytes, const float* table) {
   __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  return _mm256_mul_ps(_mm256_i32gather_ps(table.entries, index, 4), scale);
+  return _mm256_i32gather_ps(table, index, 4);
 }
 
 inline Vec round_bf16(Vec v) {
@@ -136,6 +170,7 @@ inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float sum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -152,30 +187,59 @@ inline const T* padded(const T* p, int64_t count, T (&tail)[kLanes]) {
   return tail;
 }
 
+// A weight's value as dequantization writes it: the float32 product, or that rounded to the weight's dtype.
+template <int Round>
+inline Vec rounded(Vec v) {
+  if constexpr (Round == 1) return round_bf16(v);
+  else if constexpr (Round == 2) return round_fp16(v);
+  else return v;
+}
+
+// What a product reads from no weight (a 16-bit one, a decoded buffer) as it goes along a row.
+struct NoState {};
+
 template <int Bits, int Round>
 struct Weight {
   static constexpr bool kPartialChunks = false;   // K is whole chunks (quant_linear.packable)
   static constexpr int kBits = Bits;
+  using State = std::conditional_t<Bits == 4, Block4, NoState>;
   const uint8_t* codes;
   const float* absmax;
   int64_t K;
   int64_t blocksize;
   int block_shift;   // log2(blocksize) where it is a power of two (bitsandbytes' always are), else -1
-  Table table;
+  const float* table;   // 16 entries (4-bit) or 256 (8-bit)
 
   // A chunk's block: a shift, not a 64-bit division, which is slow on some CPUs (AMD's Zen 1 among them) and,
   // once a chunk, bounds the whole product there (docs/BENCHMARKS.md, "int4 on the CPU").
   inline int64_t block(int64_t flat) const { return block_shift >= 0 ? flat >> block_shift : flat / blocksize; }
 
-  inline Vec chunk(int64_t n, int64_t k) const {
+  // A 4-bit row is read a run of chunks at a time, each run entered (`enter`) before its chunks are read: a
+  // block where every row starts on one (K a multiple of blocksize), else one chunk. Entering a block makes its
+  // 16 values (each table entry times its absmax, rounded) once for all its chunks: the same products as for
+  // each chunk, so the same bits, without a multiplication and a rounding every chunk. An 8-bit row is one run.
+  inline int64_t run_end(int64_t k) const {
+    if constexpr (Bits == 4) return k + (K % blocksize == 0 ? blocksize : kLanes);
+    else return K;
+  }
+  inline void enter(int64_t n, int64_t k, State& state) const {
+    if constexpr (Bits == 4) {
+      const int64_t index = block(n * K + k);
+      if (index == state.index) return;   // a run of one chunk in the block before's
+      state.index = index;
+      const Vec scale = broadcast(absmax[index]);
+      Vec values[16 / kLanes];
+      for (int i = 0; i < 16 / kLanes; ++i) values[i] = rounded<Round>(mul(load(table + i * kLanes), scale));
+      set_values<Round>(state, values);
+    }
+  }
+
+  // The kLanes values from (n, k) on, in the run entered; a chunk lies in one block (blocksize and K are
+  // multiples of 16).
+  inline Vec chunk(int64_t n, int64_t k, const State& state) const {
     const int64_t flat = n * K + k;
-    const Vec scale = broadcast(absmax[block(flat)]);
-    Vec value;
-    if constexpr (Bits == 4) value = decode4(codes + flat / 2, table, scale);
-    else value = decode8(codes + flat, table, scale);
-    if constexpr (Round == 1) return round_bf16(value);
-    else if constexpr (Round == 2) return round_fp16(value);
-    else return value;
+    if constexpr (Bits == 4) return decode4<Round>(codes + flat / 2, state);
+    else return rounded<Round>(mul(decode8(codes + flat, table), broadcast(absmax[block(flat)])));
   }
 };
 
@@ -184,11 +248,14 @@ template <int Format>
 struct HalfWeight {
   static constexpr bool kPartialChunks = true;
   static constexpr int kBits = 16;
+  using State = NoState;
   const uint16_t* data;
   int64_t stride;
   int64_t K;
 
-  inline Vec chunk(int64_t n, int64_t k) const { return widen<Format>(data + n * stride + k); }
+  inline int64_t run_end(int64_t) const { return K; }
+  inline void enter(int64_t, int64_t, State&) const {}
+  inline Vec chunk(int64_t n, int64_t k, const State&) const { return widen<Format>(data + n * stride + k); }
   inline Vec partial(int64_t n, int64_t k) const {
     uint16_t tail[kLanes];
     return widen<Format>(padded(data + n * stride + k, K - k, tail));
@@ -197,19 +264,28 @@ struct HalfWeight {
 
 // Where a tile's weights come from: decoded on the fly, or from a group's decoded buffer (rows `stride`
 // apart, each zero-padded to whole chunks).
+// A tile reads each of its columns a run of chunks at a time (W::run_end, W::enter), keeping a `State` per
+// column (W::State).
 template <class W>
 struct FromCodes {
   static constexpr bool kPartialChunks = W::kPartialChunks;
+  using State = typename W::State;
   const W& w;
   int64_t n0;
-  inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c, k); }
+  inline int64_t run_end(int64_t k) const { return w.run_end(k); }
+  inline void enter(int c, int64_t k, State& state) const { w.enter(n0 + c, k, state); }
+  inline Vec operator()(int c, int64_t k, const State& state) const { return w.chunk(n0 + c, k, state); }
   inline Vec partial(int c, int64_t k) const { return w.partial(n0 + c, k); }
 };
 struct FromBuffer {
   static constexpr bool kPartialChunks = true;
+  using State = NoState;
   const float* buffer;
   int64_t stride;
-  inline Vec operator()(int c, int64_t k) const { return load(buffer + c * stride + k); }
+  int64_t K;
+  inline int64_t run_end(int64_t) const { return K; }
+  inline void enter(int, int64_t, State&) const {}
+  inline Vec operator()(int c, int64_t k, const State&) const { return load(buffer + c * stride + k); }
   inline Vec partial(int c, int64_t k) const { return load(buffer + c * stride + k); }
 };
 
@@ -217,10 +293,13 @@ struct FromBuffer {
 template <class W>
 struct FromRowsApart {
   static constexpr bool kPartialChunks = W::kPartialChunks;
+  using State = typename W::State;
   const W& w;
   int64_t n0;
   int64_t gap;
-  inline Vec operator()(int c, int64_t k) const { return w.chunk(n0 + c * gap, k); }
+  inline int64_t run_end(int64_t k) const { return w.run_end(k); }
+  inline void enter(int c, int64_t k, State& state) const { w.enter(n0 + c * gap, k, state); }
+  inline Vec operator()(int c, int64_t k, const State& state) const { return w.chunk(n0 + c * gap, k, state); }
   inline Vec partial(int c, int64_t k) const { return w.partial(n0 + c * gap, k); }
 };
 
@@ -237,11 +316,16 @@ template <int R, int C, class Source>
       for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv, w[c], acc[r][c]);
     }
   };
+  typename Source::State state[C] = {};
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    Vec w[C];
-    for (int c = 0; c < C; ++c) w[c] = source(c, k);
-    step(w, [&](int r) { return load(x + r * xs + k); });
+  while (k + kLanes <= K) {
+    const int64_t end = std::min(K, source.run_end(k));
+    for (int c = 0; c < C; ++c) source.enter(c, k, state[c]);
+    for (; k + kLanes <= end; k += kLanes) {
+      Vec w[C];
+      for (int c = 0; c < C; ++c) w[c] = source(c, k, state[c]);
+      step(w, [&](int r) { return load(x + r * xs + k); });
+    }
   }
   if constexpr (Source::kPartialChunks) {
     if (k < K) {
@@ -281,8 +365,13 @@ template <int C, class W>
 void decode_group(const W& w, int64_t n, int64_t K, int64_t stride, float* buffer) {
   for (int c = 0; c < C; ++c) {
     float* row = buffer + c * stride;
+    typename W::State state{};
     int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) store(row + k, w.chunk(n + c, k));
+    while (k + kLanes <= K) {
+      const int64_t end = std::min(K, w.run_end(k));
+      w.enter(n + c, k, state);
+      for (; k + kLanes <= end; k += kLanes) store(row + k, w.chunk(n + c, k, state));
+    }
     if constexpr (W::kPartialChunks) {
       if (k < K) store(row + k, w.partial(n + c, k));
     }
@@ -320,7 +409,7 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
         for (int64_t g = first; g < last; ++g) {
           float* out = y + m * ys + g * C;
           if (buffered)
-            rows<C, R>(x + m * xs, count, xs, FromBuffer{buffer.data() + (g - first) * C * stride, stride}, K, out, ys);
+            rows<C, R>(x + m * xs, count, xs, FromBuffer{buffer.data() + (g - first) * C * stride, stride, K}, K, out, ys);
           else
             rows<C, R>(x + m * xs, count, xs, FromCodes<W>{w, g * C}, K, out, ys);
         }
@@ -371,7 +460,7 @@ void quantized(const float* x, int64_t M, int64_t K, int64_t xs, const uint8_t* 
                int64_t N, int64_t blocksize, const float* table, float* y, int64_t ys, int64_t buffer_rows) {
   const bool power_of_two = blocksize > 0 && (blocksize & (blocksize - 1)) == 0;
   const int shift = power_of_two ? __builtin_ctzll(static_cast<unsigned long long>(blocksize)) : -1;
-  linear(x, M, K, xs, Weight<Bits, Round>{codes, absmax, K, blocksize, shift, Table(table)}, N, y, ys, buffer_rows);
+  linear(x, M, K, xs, Weight<Bits, Round>{codes, absmax, K, blocksize, shift, table}, N, y, ys, buffer_rows);
 }
 
 template <int Bits>
