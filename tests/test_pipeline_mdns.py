@@ -42,7 +42,9 @@ def test_an_advertised_agent_is_discovered_and_runs_the_model(tmp_path, capsys):
     agents = spawn_agents(["mdns-agent"], TOKEN, tmp_path / "agents", advertise=True)
     try:
         assert agents[0].url in discover(2.0)
-        coordinator_command(model=open_store(store).root, token=TOKEN, discover=2.0, context_length=64,
+        # a second browse right after the first: the agent may wait out mDNS's once-a-second limit on
+        # multicasting a record, and a loaded machine answers later still
+        coordinator_command(model=open_store(store).root, token=TOKEN, discover=5.0, context_length=64,
                             work_dir=tmp_path / "work", host="127.0.0.1", generate=PROMPT, max_new_tokens=6)
     finally:
         for agent in agents:

@@ -31,6 +31,11 @@ def advertise(name: str, port: int, host: str = "0.0.0.0"):
     return instance
 
 
+# How long an agent that answered the browse has to give its address and port: mDNS multicasts a record at
+# most once a second, and a loaded machine answers later still.
+RESOLVE_MS = 3000
+
+
 def discover(seconds: float) -> list[str]:
     """Agent base URLs advertised within `seconds`."""
     zeroconf = _zeroconf()
@@ -39,8 +44,8 @@ def discover(seconds: float) -> list[str]:
     browser = zeroconf.ServiceBrowser(instance, SERVICE, handlers=[lambda service_type, name, state_change, **_: names.append(name)])
     time.sleep(seconds)
     urls = []
-    for name in dict.fromkeys(names):
-        info = instance.get_service_info(SERVICE, name, timeout=1000)
+    for name in dict.fromkeys(names):   # answered at once from the browse's records; asked again where not
+        info = instance.get_service_info(SERVICE, name, timeout=RESOLVE_MS)
         if info and info.parsed_addresses():
             urls.append(f"http://{info.parsed_addresses()[0]}:{info.port}")
     browser.cancel()
