@@ -263,9 +263,8 @@ struct HalfWeight {
 };
 
 // Where a tile's weights come from: decoded on the fly, or from a group's decoded buffer (rows `stride`
-// apart, each zero-padded to whole chunks).
-// A tile reads each of its columns a run of chunks at a time (W::run_end, W::enter), keeping a `State` per
-// column (W::State).
+// apart, each zero-padded to whole chunks). A tile reads each of its columns a run of chunks at a time
+// (run_end, enter), keeping a `State` per column (W::State).
 template <class W>
 struct FromCodes {
   static constexpr bool kPartialChunks = W::kPartialChunks;
