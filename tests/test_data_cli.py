@@ -79,7 +79,7 @@ def test_sigkilled_worker_chunk_is_trained_again_by_another(tmp_path, tiny_model
         if leased:
             row = leased[0]
             victim = int(row["owner"].rsplit("-", 1)[1])
-            assert victim in {c.pid for c in psutil.Process(proc.pid).children()}
+            assert victim in {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
             os.kill(victim, signal.SIGKILL)
             killed_chunk = (row["block"], row["chunk"])
     out, err = proc.communicate(timeout=240)

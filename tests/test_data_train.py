@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from conftest_data import read_jsonl, tiny_model, write_txt  # noqa: F401  (fixtures)
@@ -75,3 +77,18 @@ def test_ddp_two_ranks_stay_in_step_and_stop_together(tmp_path, tiny_model):
     assert len(ranks) == 2 and all("-w0-" in w for w in ranks)  # only rank 0 logs, once per launch
     with open_tracker(cfg.tracker_url) as tracker:
         assert max(_done(tracker.export_state()).values()) == 1
+
+
+def test_workers_take_the_folder_of_the_run_that_starts_them(tmp_path, tiny_model, monkeypatch):
+    """The server the workers are forked from outlives a run and started in another folder: relative paths are
+    still the run's own."""
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        write_txt(folder / "corpus.txt", 32)
+        cfg = TrainConfig(model=str(tiny_model), dataset="corpus.txt", output=Path("out"), cache_dir=Path("cache"),
+                          samples_per_block=32, chunk_size=8, batch_size=4, seq_len=16, workers=2, steps=4)
+        assert train(cfg)["steps_this_run"] == 4
+        assert (folder / "out" / STATE_FILENAME).is_file() and any((folder / "cache").iterdir())
+        shutil.rmtree(folder)   # so nothing of this run's can be found from the next one's

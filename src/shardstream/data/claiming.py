@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 
 from shardstream.data.blocks import BlockManager
 from shardstream.data.config import TrainConfig
 from shardstream.data.tracker import ChunkTracker, Claim
+from shardstream.data.workers import CONTEXT
 from shardstream.errors import DatasetError
 
 
@@ -16,8 +16,8 @@ class Budget:
     """Steps left for this run, shared by its processes; `done` feeds the progress bar."""
 
     def __init__(self, steps: int | None) -> None:
-        self.left = mp.get_context("spawn").Value("q", -1 if steps is None else steps)
-        self.done = mp.get_context("spawn").Value("q", 0)
+        self.left = CONTEXT.Value("q", -1 if steps is None else steps)
+        self.done = CONTEXT.Value("q", 0)
 
     def take(self, n: int) -> int:
         """Reserve up to `n` steps; returns how many were granted (0 once the budget is spent)."""

@@ -19,6 +19,7 @@ from shardstream.data.blocks import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLES_PER_BLOC
 from shardstream.data.tracker import open_tracker
 from shardstream.data.tracker_state import read_state, write_state
 from shardstream.data.config import DEFAULT_SAVE_EVERY, TrainConfig, default_cache_dir
+from shardstream.data.workers import start_fork_server
 from shardstream.errors import InvalidOption
 
 data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True, cls=Group)
@@ -60,13 +61,15 @@ def train_command(
     seed: Annotated[int, typer.Option(help="Seed of the random init from config.json.")] = 0,
 ) -> None:
     """Train a causal LM on chunks of a dataset handed out by the chunk tracker."""
-    from shardstream.data.launch import train
-
     if ddp and parallel_independent:
         raise InvalidOption("--ddp and --parallel-independent exclude each other; pick one.")
     if iterate and stop_after_epoch:
         raise InvalidOption("--iterate and --stop-after-epoch exclude each other; pick one.")
     ids = _cuda_ids(cuda_ids)
+    if ddp or (workers or len(ids)) > 1:
+        start_fork_server()   # the workers' imports, beside this process's own
+    from shardstream.data.launch import train
+
     cfg = TrainConfig(model=model, dataset=dataset_file, output=output, tokenizer=tokenizer, tracker=tracker, cache_dir=cache_dir,
                       text_field=text_field, samples_per_block=samples_per_block, chunk_size=dataset_chunk_size, steps=steps,
                       iterate=iterate, batch_size=batch_size, seq_len=seq_len, lr=lr, workers=workers or max(1, len(ids)),

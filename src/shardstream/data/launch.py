@@ -29,6 +29,7 @@ from shardstream.data.model import average_state_dicts, check_model_folder, load
 from shardstream.data.readers import iter_samples
 from shardstream.data.tracker import ChunkTracker, Claim, open_tracker
 from shardstream.data.tracker_state import STATE_FILENAME, read_state
+from shardstream.data.workers import CONTEXT, sigint_ignored
 from shardstream.data.train import Budget, MetricsLog, log_chunks_done, ready_file, run_ddp_rank, run_independent
 from shardstream.errors import DatasetError, InvalidOption, ShardstreamError, WorkerFailed
 
@@ -56,8 +57,13 @@ def prepare_tracker(cfg: TrainConfig) -> None:
         warn_if_tracker_ahead(cfg, tracker.get_progress_stats()["total_steps"])
 
 
-def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path) -> None:
-    """Entry point of a spawned worker: train (leaving its replica in `results`, or saving as DDP rank 0), or leave the error as a file."""
+def _process_main(cfg: TrainConfig, index: int, budget: Budget, results: Path, environ: dict[str, str]) -> None:
+    """Entry point of a worker: train (leaving its replica in `results`, or saving as DDP rank 0), or leave the error as a file.
+
+    It takes the parent's environment as it is now (multiprocessing gives it the parent's folder): the
+    fork server it comes from may have started for an earlier run, in another environment."""
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.processes))
     try:
         if cfg.ddp:
@@ -94,16 +100,10 @@ def _merge(cfg: TrainConfig, results: Path, tracker: ChunkTracker, log: MetricsL
 
 
 def _start(procs: list[mp.Process]) -> None:
-    """Start the workers with SIGINT ignored, which they inherit: a terminal's Ctrl-C reaches the whole
-    process group, and only the parent should act on it (by stopping them)."""
-    main = threading.current_thread() is threading.main_thread()   # signal handlers are the main thread's alone
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
+    """Start the workers, and the fork server if the command line has not: with SIGINT ignored, which they keep."""
+    with sigint_ignored():
         for p in procs:
             p.start()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _stop(procs: list[mp.Process]) -> None:
@@ -120,8 +120,8 @@ def _stop(procs: list[mp.Process]) -> None:
 
 def _run_processes(cfg: TrainConfig, budget: Budget, results: Path) -> None:
     """Run the workers to the end, merging and saving their replicas whenever one leaves a new one."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_process_main, args=(cfg, i, budget, results), daemon=False) for i in range(cfg.processes)]
+    procs = [CONTEXT.Process(target=_process_main, args=(cfg, i, budget, results, dict(os.environ)), daemon=False)
+             for i in range(cfg.processes)]
     seen: dict[Path, int] = {}
 
     def merge_if_new(tracker: ChunkTracker, log: MetricsLog) -> None:
