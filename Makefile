@@ -23,7 +23,7 @@ demo: setup
 MASKED = no_bf16_cpu and (streamed and exact or defaults_hold)
 
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile -q -k "not ($(MASKED))"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -k "not ($(MASKED))"
 
 bench: setup   # each prints a markdown table; docs/BENCHMARKS.md holds the latest run's figures
 	$(PY) benchmarks/convert.py --out artifacts/bench_convert.md
