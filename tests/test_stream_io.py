@@ -17,7 +17,7 @@ from shardstream.convert import convert
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.store import open_store
 from shardstream import AutoModel
-from shardstream.stream import direct
+from shardstream.stream import direct, loader
 from shardstream.stream.direct import block_reading, read_buffer
 from shardstream.switches import DIRECT_IO
 from tiny_models import save_checkpoint
@@ -171,3 +171,25 @@ def test_unknown_mode_is_refused_with_the_variable_named(tmp_path, monkeypatch):
     monkeypatch.setenv(DIRECT_IO.name, "sometimes")
     with pytest.raises(InvalidOption, match=r"SHARDSTREAM_DIRECT_IO must be one of auto, on, off, dropped, not 'sometimes'"):
         block_reading(store)
+
+
+@pytest.mark.parametrize("room, mapped", [(1.1, False), (4.0, True)])
+def test_auto_maps_streamed_blocks_only_where_every_block_and_the_head_fit_at_once(tmp_path, monkeypatch, room, mapped):
+    """Mapped, the resident blocks, the head and the streamed blocks are all page cache. Memory for the blocks'
+    files alone (`room` = 1.1 times them) once chose mapping, and under a cap the streamed blocks were then
+    evicted and read again every pass; they are read past the cache unless all of it fits in auto's share."""
+    store = build(tmp_path)
+    manifest = open_store(store).manifest
+    blocks = sum(manifest.files[f].size for part, record in manifest.parts.items() if part.startswith("mid/")
+                 for f in record.files)
+    for module in (direct, loader):
+        monkeypatch.setattr(module, "available_memory", lambda: (int(room * blocks), True), raising=False)
+    monkeypatch.setenv(DIRECT_IO.name, "auto")
+    model = AutoModel.from_pretrained(store, max_resident_memory=blocks * 3 // 4)   # some blocks resident, some streamed
+    try:
+        assert model.resident_blocks and len(model.resident_blocks) < len(model.block_modules)
+        assert (model.report().reading == "mapped") == mapped
+        assert model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False,
+                              pad_token_id=0).shape[-1] == IDS.shape[-1] + 2
+    finally:
+        model.close()

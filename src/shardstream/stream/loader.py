@@ -21,6 +21,8 @@ from ..store.dtypes import TORCH_DTYPES
 from ..store.manifest import TensorRecord
 from ..store.partfile import tensor_from_bytes
 from . import half_linear
+from ..memory import available_memory
+from .residency import AUTO_SHARE
 from .direct import BufferPool, block_reading, read_direct, read_ranges, verify_unkept
 from .mapped import cool, map_part, map_ranges, release_unviewed, spans, verify_mapped
 from .quant_linear import packable
@@ -197,11 +199,15 @@ class BlockLoader:
         with self._keeping:
             return all(key in self._kept for key in keys)
 
-    def choose_reading_again(self) -> None:
-        """Ask again how streamed blocks are read, once the resident parts are in memory: under a cap they
-        count against it, and a large resident head can leave the blocks no room in the page cache."""
-        if self.reading == "mapped":
-            self.reading = block_reading(self.store, copy_free=self.device.type == "cuda", blocks=self.blocks)
+    def choose_reading_again(self, streamed: list[int], head_bytes: int) -> None:
+        """Ask again how the blocks are read, once the resident parts are in memory and the blocks to stream
+        (`streamed`) are known. Mapped, the resident blocks, the head (`head_bytes`) and the streamed blocks
+        are all pages of the store's files: streaming through them pays only where all of those fit at once
+        in `auto`'s share of the memory left, the rest being the activations' and the KV cache's. Otherwise
+        the streamed blocks are evicted and read again every pass, and the reclaim slows the products too."""
+        if self.reading == "mapped" and streamed:
+            self.reading = block_reading(self.store, memory=int(available_memory()[0] * AUTO_SHARE) - head_bytes,
+                                         copy_free=self.device.type == "cuda", blocks=self.blocks)
 
     def read_past_the_cache(self) -> None:
         """Read streamed blocks past the page cache from now on (O_DIRECT, else dropped reads), unless they

@@ -150,15 +150,15 @@ class StreamingModel(TransformersHabits, WrapsModel):
             return budget - self._ends.place(budget, streaming)
 
         budget = self._fill_resident_parts(mapper, outside, prefixes + list(unused), place)
-        self._loader.choose_reading_again()
         self._ends_hooks = self._ends.hook(self._loader.pool, head_buffers, lambda: self._loader.reading,
                                            options.verify_checksums)
         self.resident_budget = budget   # what the resident blocks were chosen within, the ends placed
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
+        streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
+        self._loader.choose_reading_again(streamed, 0 if self._ends.head is None else self._ends.head.nbytes)
         for index in self.resident_blocks:
             fill_block(self._slots[index], self._loader.load(index, resident=True))
-        streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
         self.pieces = {k: pieces[k] for k in streamed}
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
