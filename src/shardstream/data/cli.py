@@ -66,15 +66,15 @@ def train_command(
     if iterate and stop_after_epoch:
         raise InvalidOption("--iterate and --stop-after-epoch exclude each other; pick one.")
     ids = _cuda_ids(cuda_ids)
-    if ddp or (workers or len(ids)) > 1:
-        start_fork_server()   # the workers' imports, beside this process's own
-    from shardstream.data.launch import train
-
     cfg = TrainConfig(model=model, dataset=dataset_file, output=output, tokenizer=tokenizer, tracker=tracker, cache_dir=cache_dir,
                       text_field=text_field, samples_per_block=samples_per_block, chunk_size=dataset_chunk_size, steps=steps,
                       iterate=iterate, batch_size=batch_size, seq_len=seq_len, lr=lr, workers=workers or max(1, len(ids)),
                       cuda_ids=ids, ddp=ddp, nproc=nproc, lease_seconds=lease_seconds, save_every=save_every, log_file=log_file,
                       seed=seed)
+    if cfg.processes > 1:
+        start_fork_server()   # the workers' imports, beside this process's own
+    from shardstream.data.launch import train
+
     stats = train(cfg)
     progress = (f"epoch {stats['current_epoch']}: {stats['chunks_done']}/{stats['chunks_total']} chunks done "
                 f"(tracker total {stats['total_steps']} steps)")

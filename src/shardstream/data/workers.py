@@ -8,11 +8,11 @@ product or holds a thread, so forking it is safe."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.forkserver
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing import forkserver
 
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["shardstream.data.launch"])
@@ -34,4 +34,4 @@ def sigint_ignored() -> Iterator[None]:
 def start_fork_server() -> None:
     """Start the server now (it would start with the first worker): its imports then run beside the caller's."""
     with sigint_ignored():
-        multiprocessing.forkserver.ensure_running()
+        forkserver.ensure_running()

@@ -199,13 +199,13 @@ class BlockLoader:
         with self._keeping:
             return all(key in self._kept for key in keys)
 
-    def choose_reading_again(self, streamed: list[int], head_bytes: int) -> None:
-        """Ask again how the blocks are read, once the resident parts are in memory and the blocks to stream
-        (`streamed`) are known. Mapped, the resident blocks, the head (`head_bytes`) and the streamed blocks
+    def choose_reading_again(self, head_bytes: int) -> None:
+        """Ask again how the blocks are read, once the resident parts are in memory and some blocks are known
+        to be streamed. Mapped, the resident blocks, the head (`head_bytes`) and the streamed blocks
         are all pages of the store's files: streaming through them pays only where all of those fit at once
         in `auto`'s share of the memory left, the rest being the activations' and the KV cache's. Otherwise
         the streamed blocks are evicted and read again every pass, and the reclaim slows the products too."""
-        if self.reading == "mapped" and streamed:
+        if self.reading == "mapped":
             self.reading = block_reading(self.store, memory=int(available_memory()[0] * AUTO_SHARE) - head_bytes,
                                          copy_free=self.device.type == "cuda", blocks=self.blocks)
 

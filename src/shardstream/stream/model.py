@@ -156,7 +156,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         # a streamed head's two slice buffers are the pool's piece buffers, but may be taken beside them
         self.resident_blocks = choose_resident(sizes, budget, streaming + (0 if self._ends.head_resident else 2 * head_buffers))
         streamed = [i for i in range(len(self._slots)) if i not in self.resident_blocks]
-        self._loader.choose_reading_again(streamed, 0 if self._ends.head is None else self._ends.head.nbytes)
+        if streamed:   # with every block resident, the choice made at load stands
+            self._loader.choose_reading_again(0 if self._ends.head is None else self._ends.head.nbytes)
         for index in self.resident_blocks:
             fill_block(self._slots[index], self._loader.load(index, resident=True))
         self.pieces = {k: pieces[k] for k in streamed}
