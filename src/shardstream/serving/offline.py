@@ -156,7 +156,8 @@ def run_batch(prompts: list[Prompt], done: int, answer: Callable[[Prompt], dict]
             future.add_done_callback(lambda f: f.cancelled() or f.exception() or bar.advance(f.result()["completion_tokens"]))
             futures[prompt.index] = future
         for index in range(done, len(prompts)):
-            writer.write(futures.pop(index).result())
+            writer.write(futures[index].result())   # kept in `futures` until written: Ctrl-C while waiting aborts it
+            del futures[index]
         return bar
     finally:
         for future in futures.values():
