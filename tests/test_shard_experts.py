@@ -174,9 +174,9 @@ def test_one_expert_is_one_read_of_its_own_bytes(placed, original, monkeypatch):
         reads.append(("read_path", Path(path).name, offset, len(got)))
         return got
 
-    def direct(fd, path, view, offset, stop=None):
+    def direct(fd, path, view, offset, stop=None, landed=None):
         reads.append(("read_at", Path(path).name, offset, len(view)))
-        return read_at(fd, path, view, offset, stop)
+        return read_at(fd, path, view, offset, stop, landed)
 
     monkeypatch.setattr(sharding, "read_path", plain)
     monkeypatch.setattr(sharding, "read_at", direct)

@@ -245,14 +245,41 @@ def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):
         expected = expert.read(verify=True)
         for buffer in (read_buffer(aligned(size)), bytearray(size)):
             for drop in (True, False):
-                got = expert.tensors_in(buffer, expert.fill(buffer, drop=drop))
+                got = expert.tensors_in(buffer, *expert.fill(buffer, drop=drop))
                 assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
     data = bytearray(expert.path.read_bytes())
     data[record.offset + size // 2] ^= 0xFF
     expert.path.write_bytes(bytes(data))
     for buffer in (read_buffer(aligned(size)), bytearray(size)):
         with pytest.raises(StoreCorrupt, match="fails its checksum"):
-            expert.tensors_in(buffer, expert.fill(buffer, drop=True))
+            expert.tensors_in(buffer, *expert.fill(buffer, drop=True))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_read_is_hashed_piece_by_piece_as_it_lands(tmp_path, monkeypatch, direct):
+    """An expert's checksum is made while it is read, a piece at a time (O_DIRECT requests or plain chunks),
+    and is the checksum of exactly its bytes, not of the page-rounded tail an O_DIRECT read brings."""
+    import xxhash
+
+    from shardstream.store import direct_io, sharding
+    from shardstream.store.checksum import HashAsRead
+
+    monkeypatch.setattr(direct_io, "LANDED_PIECE", 3 * 4096)
+    monkeypatch.setattr(sharding, "READ_CHUNK", 3 * 4096)
+    size = 10 * 4096 + 123
+    data = bytes(range(256)) * (aligned(size + 4096) // 256)
+    (tmp_path / "container").write_bytes(data)
+    record = sharding.FileRecord(size=size, xxh3_128=xxhash.xxh3_128_hexdigest(data[4096:4096 + size]))
+    hashed = []
+    buffer = read_buffer(aligned(size))
+    hashing = HashAsRead(memoryview(buffer)[:size])
+    landed = lambda done: (hashed.append(done), hashing.landed(done))  # noqa: E731
+    if direct:
+        done = _read_direct(tmp_path / "container", buffer, 4096, size, landed=landed)
+    else:
+        done = sharding._read_plain(tmp_path / "container", memoryview(buffer)[:size], 4096, False, landed=landed)
+    assert done == size and hashing.hexdigest() == record.xxh3_128
+    assert hashed == [3 * 4096, 6 * 4096, 9 * 4096, aligned(size) if direct else size]
 
 
 @pytest.mark.parametrize("compression", [None, "4bit", "int4"])
@@ -335,11 +362,19 @@ def test_blocks_are_sized_without_the_experts_read_on_demand(family_placed):
         assert experts and all(model.model.get_parameter(n).device.type == "meta" for n in experts)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small-experts", "large-experts"])
 @pytest.mark.parametrize("read_ahead", [True, False], ids=["reading-ahead", "one-read"])
-def test_experts_read_ahead_of_the_router_are_used_or_stopped(family_placed, file_reads, read_ahead):
+def test_experts_read_ahead_of_the_router_are_used_or_stopped(family_placed, file_reads, monkeypatch, read_ahead,
+                                                             large):
     """With nothing held, each block's likely experts are read while the block before it runs: a right guess
     is that block's read (the same reads counted as with no guessing), a wrong one is read (or stopped) and
-    freed; prefetching=False reads after routing only. The tokens are transformers', and the reads never take more buffers than they have room for."""
+    freed; prefetching=False reads after routing only. The tokens are transformers', and the reads never take
+    more buffers than they have room for. Experts as large as READ_AHEAD_BYTES are read on one thread, one
+    after the other, the guesses and their checks too."""
+    from shardstream.stream import experts as module
+
+    if large:
+        monkeypatch.setattr(module, "READ_AHEAD_BYTES", 1)
     reference, store = family_placed
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     want = reference.generate(ids, max_new_tokens=8, do_sample=False)
@@ -355,6 +390,7 @@ def test_experts_read_ahead_of_the_router_are_used_or_stopped(family_placed, fil
             # every read is a routed one or a guess (a guess stopped before its read began reads nothing)
             assert experts.loads - guesses.right <= len(file_reads) <= experts.loads - guesses.right + guesses.made
             assert experts._buffers.allocated <= 1 + experts.depth(read_ahead)
+            assert experts._executor()._max_workers == (2 if read_ahead and not large else 1)
             if prefetching and read_ahead:   # guesses take the reads' room but one: none where there is one
                 assert 0 < guesses.right < guesses.made and guesses.wasted_bytes > 0
                 assert experts.report()["guessed_right"] == guesses.right
@@ -395,7 +431,7 @@ def test_a_read_ahead_of_the_router_stops_between_pieces(tmp_path, monkeypatch):
             expert.fill(buffer, drop=drop, stop=stop)
         assert stopped.value.done == 2 * 4096 and stop.asked == [4096, 4096]
         kept = After(2, keep=True)
-        got = expert.tensors_in(buffer, expert.fill(buffer, drop=drop, stop=kept))
+        got = expert.tensors_in(buffer, *expert.fill(buffer, drop=drop, stop=kept))
         assert all(torch.equal(got[n], t) for n, t in expert.read(verify=True).items())
         assert kept.asked[:2] == [4096, 4096] and kept.asked[2] > 4096 and len(kept.asked) == 3
 
@@ -408,8 +444,11 @@ def test_guesses_seldom_right_are_cut_to_a_probe_and_come_back_when_right():
 
     from shardstream.stream import experts as module
 
+    from shardstream.store.checksum import HashAsRead
+
     given = []
-    guesses = module._Guesses(fill=lambda layer, expert, stop: module._Filled(None, f"buffer {expert}", 10),
+    filled = lambda layer, expert, stop: module._Filled(None, f"buffer {expert}", 10, HashAsRead(memoryview(b"")))  # noqa: E731
+    guesses = module._Guesses(fill=filled,
                               check=lambda layer, read: ("checked", read.result().buffer), give=given.append)
     with ThreadPoolExecutor(2) as threads:
         passes = 0

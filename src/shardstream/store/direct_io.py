@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 ALIGN = 4096  # O_DIRECT wants buffer address, file offset and length aligned to the logical block size
 STOP_PIECE = 1 << 20   # a stoppable read's request size: a stop waits for one such request at most
+# a request's size where each piece is handed on as it lands (`landed`): the last one is what is left to
+# handle once the read ends
+LANDED_PIECE = 32 << 20
 
 
 class DirectUnsupported(OSError):
@@ -56,12 +60,15 @@ def open_file(path, direct: bool = True) -> int:
         raise
 
 
-def read_at(fd: int, path, view: memoryview, offset: int, stop: Stoppable | None = None) -> int:
+def read_at(fd: int, path, view: memoryview, offset: int, stop: Stoppable | None = None,
+            landed: Callable[[int], None] | None = None) -> int:
     """Fill `view` from file offset `offset` (aligned); fewer bytes only at the end of the file. `stop`: a
-    read that may be stopped (`Stoppable`)."""
+    read that may be stopped (`Stoppable`). `landed`: told the bytes read so far after each request (of
+    LANDED_PIECE bytes at most)."""
     done = 0
     while done < len(view):
-        piece = len(view) - done if stop is None else stop.piece(len(view) - done, done)
+        usual = len(view) - done if landed is None else min(len(view) - done, LANDED_PIECE)
+        piece = usual if stop is None else stop.piece(usual, done)
         try:
             got = os.preadv(fd, [view[done:done + piece]], offset + done)
         except OSError as error:
@@ -71,4 +78,6 @@ def read_at(fd: int, path, view: memoryview, offset: int, stop: Stoppable | None
         if not got:
             break
         done += got
+        if landed is not None:
+            landed(done)
     return done

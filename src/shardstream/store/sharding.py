@@ -26,7 +26,7 @@ import torch
 from ..errors import InvalidOption, PartNotFound, StoreCorrupt, StoreIncomplete
 from ..atomic import write_json_atomic
 from ..quant import QuantizedTensor
-from .checksum import checksum_bytes
+from .checksum import HashAsRead, checksum_bytes
 from .direct_io import ALIGN, DirectUnsupported, Stoppable, aligned, open_file, read_at
 from .manifest import FileRecord, Manifest, PartRecord, TensorRecord, canonical_json, check_relative, json_object, sealed, unsealed
 from .partfile import decode_tensor
@@ -192,9 +192,11 @@ def read_path(path: Path, offset: int = 0, length: int | None = None) -> bytearr
     return data[:got] if got < len(data) else data
 
 
-def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Stoppable | None = None) -> int:
+def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Stoppable | None = None,
+                landed: Callable[[int], None] | None = None) -> int:
     """Read the file from `offset` into `view` in READ_CHUNK pieces (or as `stop` says: `Stoppable`), each
-    one's pages dropped from the page cache when `drop`; returns the bytes read."""
+    one's pages dropped from the page cache when `drop` and `landed` told the bytes read so far; returns the
+    bytes read."""
     with open(path, "rb", buffering=0) as handle:
         handle.seek(offset)
         done = 0
@@ -206,11 +208,15 @@ def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Sto
             if drop:
                 os.posix_fadvise(handle.fileno(), offset + done, got, os.POSIX_FADV_DONTNEED)
             done += got
+            if landed is not None:
+                landed(done)
     return done
 
 
-def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | None = None) -> int | None:
-    """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT (stoppable: read_at); None
+def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | None = None,
+                 landed: Callable[[int], None] | None = None) -> int | None:
+    """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT (stoppable, each piece
+    `landed`: read_at); None
     where that cannot be (no O_DIRECT on this system or filesystem, a buffer not page-aligned or too short for
     the page-rounded size)."""
     view = memoryview(buffer)[:aligned(size)]
@@ -221,7 +227,7 @@ def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | N
     except DirectUnsupported:
         return None
     try:
-        return min(read_at(fd, path, view, offset, stop), size)
+        return min(read_at(fd, path, view, offset, stop, landed), size)
     except DirectUnsupported:   # the buffer's address is not aligned, or the read was refused
         return None
     finally:
@@ -231,11 +237,15 @@ def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | N
 def checked(data: bytes, record: FileRecord, where: str) -> bytes:
     """`data` if it matches its index record; a corrupt file (or expert) is named and never used."""
     if len(data) != record.size or checksum_bytes(data) != record.xxh3_128:
-        raise StoreCorrupt(
-            f"{where} fails its checksum and is not used; rewrite a TP slice with `shardstream shard --tp`, "
-            "restore an expert container from a backup (or rebuild: `shardstream convert`, then `shard --experts`)."
-        )
+        raise _corrupt(where)
     return data
+
+
+def _corrupt(where: str) -> StoreCorrupt:
+    return StoreCorrupt(
+        f"{where} fails its checksum and is not used; rewrite a TP slice with `shardstream shard --tp`, "
+        "restore an expert container from a backup (or rebuild: `shardstream convert`, then `shard --experts`)."
+    )
 
 
 def tier_root(store: StoreFiles, index: ShardIndex, tier: str) -> Path:
@@ -297,9 +307,10 @@ class Expert:
         """The file on this machine (its tier's root may be outside the store); None in a remote store."""
         return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
-    def fill(self, buffer, drop: bool = False, stop: Stoppable | None = None) -> int:
+    def fill(self, buffer, drop: bool = False, stop: Stoppable | None = None) -> tuple[int, HashAsRead]:
         """Read the expert's bytes into `buffer` (a writable buffer of at least `nbytes`: reused, it costs no
-        page faults), unchecked (`tensors_in` checks them): the bytes read.
+        page faults), unchecked (`tensors_in` checks them): the bytes read, and their checksum, made piece by
+        piece as they land (`HashAsRead`).
 
         `drop` (the experts outgrow memory, so every one is read again anyway, and under a cap that counts
         the page cache kept pages are reclaim to pay for): past the page cache, with O_DIRECT when `buffer`
@@ -308,20 +319,29 @@ class Expert:
         from the page cache once read. `stop`: a read that may be stopped halfway (a read ahead of the router,
         `Stoppable`)."""
         record = self.record
+        view = memoryview(buffer)[:record.length]
+        hashing = HashAsRead(view)
         try:
-            done = _read_direct(self.path, buffer, record.offset, record.length, stop) if drop else None
-            if done is None:
-                done = _read_plain(self.path, memoryview(buffer)[:record.length], record.offset, drop, stop)
-        except FileNotFoundError:
-            raise _missing(self.path) from None
-        return done
+            done = _read_direct(self.path, buffer, record.offset, record.length, stop, hashing.landed) if drop else None
+            if done is None:   # no O_DIRECT here: read again from the start, hashed again
+                hashing.close()
+                hashing = HashAsRead(view)
+                done = _read_plain(self.path, view, record.offset, drop, stop, hashing.landed)
+        except BaseException as error:
+            hashing.close()
+            if isinstance(error, FileNotFoundError):
+                raise _missing(self.path) from None
+            raise
+        return done, hashing
 
-    def tensors_in(self, buffer, done: int, dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
-        """The expert's tensors viewing `buffer` that `fill` read `done` bytes into (where stored plainly; else
-        dequantized, or as codes and scales when not `dequantize`), once they pass its checksum."""
-        view = memoryview(buffer)[:self.record.length]
-        checked(view[:done], self.record.span, self.where())
-        return self._decode(view, dequantize)
+    def tensors_in(self, buffer, done: int, hashing: HashAsRead,
+                   dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """The expert's tensors viewing `buffer` that `fill` read `done` bytes into, `hashing` them (where
+        stored plainly; else dequantized, or as codes and scales when not `dequantize`), once they pass its
+        checksum."""
+        if done != self.record.span.size or hashing.hexdigest() != self.record.span.xxh3_128:
+            raise _corrupt(self.where())
+        return self._decode(memoryview(buffer)[:self.record.length], dequantize)
 
     def raw(self) -> bytearray:
         """The expert's bytes (one read at its offset in its container), unchecked."""

@@ -10,7 +10,8 @@ stacked copy is made of an expert, so a pass costs its experts' reads and their 
 
 Experts stay in memory between passes, within `budget` bytes, by how often and how lately they were
 routed to (expert_cache.py); a pass reads only the routed experts not held, the next one read on a thread
-while one multiplies. A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one expert
+while one multiplies (large ones one after the other, in the order they multiply: `_executor`), each
+checksummed as its bytes land (store/checksum.py's HashAsRead). A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one expert
 read and, with `read_ahead`, the next.
 
 Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
@@ -41,6 +42,7 @@ from ..errors import InvalidOption, UnsupportedModel
 from ..naming import Part
 from ..quant import QuantizedTensor
 from ..store import Store
+from ..store.checksum import HashAsRead
 from ..store.direct_io import ReadStopped, Stoppable, aligned
 from ..store.dtypes import TORCH_DTYPES
 from ..store.sharding import Expert, load_expert, load_index
@@ -132,10 +134,12 @@ class ExpertlessLoader(BlockLoader):
 
 @dataclass
 class _Filled:
-    """An expert's bytes read into `buffer` (`done` of them), not checked yet."""
+    """An expert's bytes read into `buffer` (`done` of them), their checksum being made (`hashing`), not
+    checked yet."""
     expert: Expert
     buffer: mmap.mmap
     done: int
+    hashing: HashAsRead
 
 
 @dataclass
@@ -357,9 +361,12 @@ class OnDemandExperts:
             self._routers[layer] = module.weight.detach().float().clone()
 
     def _executor(self) -> ThreadPoolExecutor:
-        """The reading threads, shared by the passes and the guesses: two when reads are made ahead, so that the
-        disk has more than one request to serve and one read's checksum runs while another reads."""
-        threads = 2 if self.read_ahead else 1
+        """The reading threads, shared by the passes and the guesses: two when small experts are read ahead, so
+        that the disk has more than one request to serve; one for experts of READ_AHEAD_BYTES or more, whose
+        one request keeps the disk busy: they are read one after the other, in the order they are multiplied,
+        so that each is multiplied while the next reads (two side by side would share the disk and land
+        together)."""
+        threads = 2 if self.read_ahead and self._file_bytes < READ_AHEAD_BYTES else 1
         if self._threads is None or self._threads[0] != threads:
             if self._threads:
                 self._threads[1].shutdown()
@@ -380,7 +387,7 @@ class OnDemandExperts:
         placed = load_expert(self.store, layer, self._first + expert)
         buffer = self._buffers.take(self._file_bytes)
         try:
-            return _Filled(placed, buffer, placed.fill(buffer, drop=self.drop_pages, stop=stop))
+            return _Filled(placed, buffer, *placed.fill(buffer, drop=self.drop_pages, stop=stop))
         except BaseException:
             self._give(buffer)
             raise
@@ -388,7 +395,7 @@ class OnDemandExperts:
     def _checked(self, layer: int, filled: _Filled) -> _Loaded:
         """The expert `filled` read, checked against its checksum and placed for the products."""
         try:
-            tensors = filled.expert.tensors_in(filled.buffer, filled.done, dequantize=False)
+            tensors = filled.expert.tensors_in(filled.buffer, filled.done, filled.hashing, dequantize=False)
         except BaseException:
             self._give(filled.buffer)
             raise
@@ -552,6 +559,7 @@ class _Guesses:
                 pass   # an expert nobody routed to: a read that needs it reports its error
             else:
                 self.wasted_bytes += filled.done
+                filled.hashing.close()
                 self._give(filled.buffer)
         if self._reads:
             kept = (1 - 1 / GUESS_MEMORY) ** len(self._reads)
