@@ -339,7 +339,8 @@ class Expert:
         """The expert's tensors viewing `buffer` that `fill` read `done` bytes into, `hashing` them (where
         stored plainly; else dequantized, or as codes and scales when not `dequantize`), once they pass its
         checksum."""
-        if done != self.record.span.size or hashing.hexdigest() != self.record.span.xxh3_128:
+        digest = hashing.hexdigest()   # asked first: it also waits for the hashing thread to end
+        if done != self.record.span.size or digest != self.record.span.xxh3_128:
             raise _corrupt(self.where())
         return self._decode(memoryview(buffer)[:self.record.length], dequantize)
 
