@@ -216,9 +216,8 @@ def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Sto
 def _read_direct(path: Path, buffer, offset: int, size: int, stop: Stoppable | None = None,
                  landed: Callable[[int], None] | None = None) -> int | None:
     """Read the file's `size` bytes at `offset` (aligned) into `buffer` with O_DIRECT (stoppable, each piece
-    `landed`: read_at); None
-    where that cannot be (no O_DIRECT on this system or filesystem, a buffer not page-aligned or too short for
-    the page-rounded size)."""
+    `landed`: read_at); None where that cannot be (no O_DIRECT on this system or filesystem, a buffer not
+    page-aligned or too short for the page-rounded size)."""
     view = memoryview(buffer)[:aligned(size)]
     if not hasattr(os, "O_DIRECT") or len(view) < aligned(size) or offset % ALIGN:
         return None

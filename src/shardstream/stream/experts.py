@@ -11,8 +11,8 @@ stacked copy is made of an expert, so a pass costs its experts' reads and their 
 Experts stay in memory between passes, within `budget` bytes, by how often and how lately they were
 routed to (expert_cache.py); a pass reads only the routed experts not held, the next one read on a thread
 while one multiplies (large ones one after the other, in the order they multiply: `_executor`), each
-checksummed as its bytes land (store/checksum.py's HashAsRead). A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one expert
-read and, with `read_ahead`, the next.
+checksummed as its bytes land (store/checksum.py's HashAsRead). A Mixtral-8x7B block (2.8 GB of experts in
+bf16) runs in the memory of one expert read and, with `read_ahead`, the next.
 
 Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
 no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
