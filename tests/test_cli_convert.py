@@ -110,7 +110,12 @@ def test_verify_and_inspect(tmp_path):
     bad = run_cli("verify", "store", cwd=tmp_path)
     assert bad.returncode == 1
     assert "mid/1/weights.safetensors: checksum mismatch" in bad.stderr
-    assert run_cli("verify", "store", "--parts", "mid/0,end", cwd=tmp_path).returncode == 0
+    assert run_cli("verify", "store", "--parts", "mid/0, end", cwd=tmp_path).returncode == 0
+    assert run_cli("verify", "store", "--parts", "mid/0, mid/1", cwd=tmp_path).returncode == 1
+    for unknown in ("mid/99", "MID/1", "experts"):   # each was "OK: ... verified", with mid/1 left unchecked
+        refused = run_cli("verify", "store", "--parts", f"mid/0,{unknown}", cwd=tmp_path)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert (f"has no part '{unknown}'" if unknown != "experts" else "has no experts stored apart") in refused.stderr
 
     (tmp_path / "store" / "mid" / "2" / "weights.safetensors").unlink()
     assert "mid/2/weights.safetensors: missing" in run_cli("verify", "store", cwd=tmp_path).stderr
@@ -118,8 +123,6 @@ def test_verify_and_inspect(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["convert", "./nowhere", "out"], "nowhere does not exist"),
-    (["convert", "src", "out", "--compression", "3bit"], "compression must be one of"),
-    (["convert", "src", "out", "--min-free-space", "lots"], "--min-free-space takes a size"),
     (["inspect", "src"], "not a shardstream store"),
     (["verify", "nowhere"], "does not exist"),
 ])

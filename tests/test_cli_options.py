@@ -125,12 +125,30 @@ SIZE = "a size such as 500MB, 2GB or 2GiB, or auto"
     ("generate", "--batch-size", "0", "a whole number of at least 1, not 0"),
     ("generate", "--max-resident-memory", "lots", f"{SIZE}, not 'lots'"),
     ("generate", "--max-host-memory", "-5", f"{SIZE}, not '-5'"),
+    ("generate", "--device", "tpu", "cpu, cuda or cuda:N, not 'tpu'"),
+    ("generate", "--compute-dtype", "int8", "one of auto, float32, bfloat16, float16, not 'int8'"),
+    ("generate", "--experts", "whatever", "one of with-block, on-demand, not 'whatever'"),
+    ("generate", "--stop", "", "a non-empty text, not ''"),
+    ("convert", "--compression", "3bit", "one of none, 4bit, 8bit, int4, not '3bit'"),
+    ("convert", "--min-free-space", "abc", "a size such as 500MB, 2GB or 2GiB, not 'abc'"),
+    ("shard", "--tp", "0", "a whole number of at least 1, not 0"),
+    ("train", "--lr", "-1", "a finite number above 0, not -1.0"),
+    ("train", "--lr", "nan", "a finite number above 0, not nan"),
+    ("train", "--seq-len", "-5", "a whole number of at least 1, not -5"),
+    ("train", "--seq-len", "0", "a whole number of at least 1, not 0"),
+    ("train", "--workers", "0", "a whole number of at least 1, not 0"),
+    ("train", "--steps", "0", "a whole number of at least 1, not 0"),
+    ("train", "--batch-size", "0", "a whole number of at least 1, not 0"),
 ])
-def test_a_numeric_option_out_of_range_is_refused_before_anything_loads(tmp_path, command, option, value, refusal):
+def test_an_option_value_out_of_range_is_refused_before_anything_loads(tmp_path, command, option, value, refusal):
     """`--port 70000` was a 42-line OverflowError, `--temperature nan` a 54-line traceback and `inf` was
-    taken; `--max-batch-size 0` was refused once the model had loaded, naming `max_batch_size`. The store
-    here does not exist: a check made after opening it would say that instead."""
-    prompt = ["--prompt", "hi"] if command == "generate" else []
-    result = run_cli(command, str(tmp_path / "nowhere"), *prompt, option, value, cwd=tmp_path)
+    taken; `--max-batch-size 0` was refused once the model had loaded, naming `max_batch_size`; `train --lr -1`
+    and `--seq-len -5` were tracebacks, `--seq-len 0` and `--workers 0` were taken, and `--stop ''` ended
+    every answer before its first token. The store here does not exist: a check made after opening it would
+    say that instead."""
+    nowhere, out = str(tmp_path / "nowhere"), str(tmp_path / "out")
+    given = {"generate": [nowhere, "--prompt", "hi"], "convert": [nowhere, out],
+             "train": ["--model", nowhere, "--dataset-file", nowhere, "--output", out]}.get(command, [nowhere])
+    result = run_cli(command, *given, option, value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"error: {option} must be {refusal}. (see `shardstream {command} -h`)\n"

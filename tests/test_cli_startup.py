@@ -80,13 +80,6 @@ def test_help_shows_usage_names_flags_and_defaults_truthfully():
         assert "[default:" not in line and f"--no-{flag[2:]}" not in line, line
 
 
-def test_unknown_device_is_one_sentence(tmp_path):
-    result, _, _ = _shardstream("generate", str(tmp_path / "store"), "--prompt", "hi", "--device", "tpu")
-    assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr and "--device 'tpu'" in result.stderr and "cpu, cuda" in result.stderr
-    assert not (tmp_path / "store").exists()
-
-
 def test_the_command_gives_torch_huge_pages_for_large_tensors_unless_the_user_says_otherwise():
     """main() sets THP_MEM_ALLOC_ENABLE before torch loads; torch then advises huge pages on a 64 MiB
     tensor (seen in /proc/self/smaps where the kernel allows them). A user's own value is kept."""

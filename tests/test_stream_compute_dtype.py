@@ -153,7 +153,7 @@ def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):
     assert "error: SHARDSTREAM_CPU_FLAGS entry 'avx2' is neither -flag (mask it) nor +flag (add it)" in flags.stderr
     wrong = _cli("generate", str(store), "--prompt", "Hello", "--compute-dtype", "half")
     assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
-    assert "--compute-dtype 'half' is not one shardstream computes in; use auto, float32, bfloat16, float16." in wrong.stderr
+    assert "--compute-dtype must be one of auto, float32, bfloat16, float16, not 'half'." in wrong.stderr
     from typer.testing import CliRunner
 
     from shardstream.cli import app

@@ -22,9 +22,9 @@ from rich.table import Table
 
 from . import __version__, interrupted
 from .cli_style import Command, Group
-from .errors import InvalidOption, ShardstreamError
+from .errors import InvalidOption, PartNotFound, ShardstreamError
 from .option_groups import Part, with_groups
-from .options import ConversionOptions, OldHfToken
+from .options import ConversionOptions, OldHfToken, size, whole_number
 from .sizes import parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
@@ -67,7 +67,7 @@ def convert(
     conversion: ConversionOptions = ConversionOptions(),
     delete_original: Annotated[bool, typer.Option("--delete-original", help="Delete the whole source checkpoint when done.")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="Print per-layer timings.")] = False,
-    min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.")] = "1GB",
+    min_free_space: Annotated[str, typer.Option(help="Warn when less than this would stay free.", callback=size())] = "1GB",
     layer_memory_warning: Annotated[Optional[str], typer.Option(help="With --compression, warn when a layer to quantize (held in memory to do so) exceeds this size, e.g. 2GB.", show_default="no warning")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Draw no progress bars.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each shard and part.")] = False,
@@ -159,7 +159,12 @@ def verify(
 
     started = time.perf_counter()
     opened = open_store(store, allow_incomplete=True)   # a file or a folder without a store: one sentence
-    wanted = parts.split(",") if parts else []
+    wanted = [part.strip() for part in parts.split(",") if part.strip()] if parts is not None else []
+    if parts is not None and not wanted:
+        raise InvalidOption("--parts names no part; give part names such as mid/3,end, or leave it out to check all.")
+    if "experts" in wanted and not opened.manifest.sharding:
+        raise PartNotFound(f"the store at {store} has no experts stored apart to check (`shardstream shard --experts` "
+                           "places them); leave experts out of --parts.")
     store_parts = [p for p in wanted if p != "experts"]
     hashed, problems = (0, []) if wanted == ["experts"] else verify_store(store, store_parts or None)
     if opened.manifest.sharding and (not wanted or "experts" in wanted):
@@ -179,7 +184,8 @@ def verify(
 @app.command(cls=Command)
 def shard(
     store: Annotated[Path, typer.Argument(help="Store folder.")],
-    tp: Annotated[Optional[int], typer.Option("--tp", help="Write tensor-parallel slices for this many ranks.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Write tensor-parallel slices for this many ranks.",
+                                              callback=whole_number(1))] = None,
     experts: Annotated[bool, typer.Option("--experts", help="Store MoE experts as files on tiers.")] = False,
     tiers: Annotated[Optional[str], typer.Option(help="name=folder pairs, fastest first; relative = inside the store (default with --experts: hot=.).")] = None,
 ) -> None:

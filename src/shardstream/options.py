@@ -11,6 +11,7 @@ an option group (option_groups.py): the flags are its fields, and a command take
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -64,6 +65,11 @@ def model_names(given: list[str] | None, source: str) -> list[str]:
     return [name.strip() for value in (given or [model_id(source)]) for name in value.split(",") if name.strip()]
 
 
+# --experts as typed, and the EngineOptions value each stands for
+EXPERT_OPTIONS = {"with-block": "with_block", "on-demand": "on_demand"}
+DEVICE_PATTERN = r"cpu|cuda(:\d+)?"   # --device
+
+
 # Checks of option values, given to typer.Option as its `callback`: they run while the command line is
 # parsed, before anything loads, and refuse a bad value in one sentence that names the option as typed
 # and what it accepts (exit code 2, click's for a usage error).
@@ -96,6 +102,23 @@ def size(*, auto: bool = False, zero: bool = True) -> Callable:
     return _checked(ok, accepted)
 
 
+def one_of(names: list[str]) -> Callable:
+    """A text option that is one of `names`."""
+    return _checked(lambda value: value in names, f"one of {', '.join(names)}")
+
+
+def matching(pattern: str, accepted: str) -> Callable:
+    """A text option matching the regular expression `pattern` whole."""
+    return _checked(lambda value: re.fullmatch(pattern, value) is not None, accepted)
+
+
+def texts(param: typer.CallbackParam, value: list[str] | None) -> list[str] | None:
+    """A repeatable text option, none of its values empty."""
+    if value and not all(value):
+        raise UsageError(f"{param.opts[0]} must be a non-empty text, not ''.")
+    return value
+
+
 def _checked(ok: Callable[[object], bool], accepted: str) -> Callable:
     def check(param: typer.CallbackParam, value):
         if value is not None and not ok(value):
@@ -107,9 +130,12 @@ def _checked(ok: Callable[[object], bool], accepted: str) -> Callable:
 
 
 def _compression_option(param: typer.CallbackParam, value: str | None) -> str | None:
-    """--compression as it is parsed: normalized, or refused naming the option (an InvalidOption, exit code
-    1, as when convert() refuses it)."""
-    return compression(value, param.opts[0])
+    """--compression as it is parsed: normalized, or refused naming the option, as any value out of an
+    option's range."""
+    try:
+        return compression(value, param.opts[0])
+    except InvalidOption as error:
+        raise UsageError(str(error)) from None
 
 
 # Option groups (option_groups.py): each flag is declared once, as a field of the group that the commands
@@ -158,17 +184,20 @@ class EngineFlags:
     max_resident_memory: Annotated[str, typer.Option(
         help="Bytes of blocks kept in memory: auto, 0 (pure streaming) or a size like 2GB.",
         callback=size(auto=True))] = "auto"
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu"
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.",
+                                        callback=matching(DEVICE_PATTERN, "cpu, cuda or cuda:N"))] = "cpu"
     max_host_memory: Annotated[str, typer.Option(
         help="With --device cuda: bytes of streamed blocks kept page-locked in host RAM after their first read, "
              "so a token only copies them to the GPU: auto (half the RAM available), 0 (read them every token) "
              "or a size like 16GB.", callback=size(auto=True))] = "auto"
     compute_dtype: Annotated[str, typer.Option(
         help="Dtype the model computes in: auto (the checkpoint's where the device multiplies it fast, else "
-             "float32; stderr says which and why), float32, bfloat16 or float16.")] = "auto"
+             "float32; stderr says which and why), float32, bfloat16 or float16.",
+        callback=one_of(["auto", "float32", "bfloat16", "float16"]))] = "auto"
     experts: Annotated[str, typer.Option(
         help="MoE experts: with-block (read with their block) or on-demand (only those the router picks; the "
-             "store's experts placed apart first: `shardstream shard STORE --experts`).")] = "with-block"
+             "store's experts placed apart first: `shardstream shard STORE --experts`).",
+        callback=one_of(list(EXPERT_OPTIONS)))] = "with-block"
     profile: Annotated[bool, typer.Option(
         "--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False
 
@@ -187,7 +216,7 @@ class Sampling:
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.",
                                                 callback=whole_number(-2**63, 2**64 - 1))] = None
     stop: Annotated[Optional[list[str]], typer.Option(
-        "--stop", help="End at this text, left out of the output; repeatable.")] = None
+        "--stop", help="End at this text, left out of the output; repeatable.", callback=texts)] = None
 
     def keywords(self) -> dict:
         """serving/text.py generate_one's sampling keywords."""

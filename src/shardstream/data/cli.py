@@ -21,6 +21,7 @@ from shardstream.data.tracker_state import read_state, write_state
 from shardstream.data.config import DEFAULT_SAVE_EVERY, TrainConfig, default_cache_dir
 from shardstream.data.workers import start_fork_server
 from shardstream.errors import InvalidOption
+from shardstream.options import real_number, whole_number
 
 data_app = typer.Typer(help="Inspect and move the training data tracker.", no_args_is_help=True, cls=Group)
 
@@ -42,21 +43,21 @@ def train_command(
     tracker: Annotated[Optional[str], typer.Option(help="Path, sqlite:///relative/path, sqlite:////absolute/path or postgresql://...", show_default="OUTPUT/chunk_tracker.sqlite")] = None,
     cache_dir: Annotated[Path, typer.Option(help="Where data blocks are cached.")] = default_cache_dir(),
     text_field: Annotated[str, typer.Option(help="Column or JSON field with the text.")] = "text",
-    dataset_chunk_size: Annotated[int, typer.Option(help="Samples per chunk, the unit of claiming.")] = DEFAULT_CHUNK_SIZE,
-    samples_per_block: Annotated[int, typer.Option(help="Samples per cached block.")] = DEFAULT_SAMPLES_PER_BLOCK,
-    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for this run (all workers together).")] = None,
+    dataset_chunk_size: Annotated[int, typer.Option(help="Samples per chunk, the unit of claiming.", callback=whole_number(1))] = DEFAULT_CHUNK_SIZE,
+    samples_per_block: Annotated[int, typer.Option(help="Samples per cached block.", callback=whole_number(1))] = DEFAULT_SAMPLES_PER_BLOCK,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for this run (all workers together).", callback=whole_number(1))] = None,
     stop_after_epoch: Annotated[bool, typer.Option("--stop-after-epoch", help="Stop when the current epoch is done; what happens anyway without --iterate, spelled out.")] = False,
     iterate: Annotated[bool, typer.Option("--iterate", help="Roll into the next epoch when one ends, until --steps.")] = False,
-    batch_size: Annotated[int, typer.Option(help="Samples per step and worker (per rank with --ddp).")] = 4,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample; longer samples are truncated.")] = 128,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 3e-4,
+    batch_size: Annotated[int, typer.Option(help="Samples per step and worker (per rank with --ddp).", callback=whole_number(1))] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample; longer samples are truncated.", callback=whole_number(1))] = 128,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.", callback=real_number(0, above=True))] = 3e-4,
     parallel_independent: Annotated[bool, typer.Option("--parallel-independent", help="Each worker trains its own replica on its own chunks; what happens anyway without --ddp, spelled out.")] = False,
-    workers: Annotated[Optional[int], typer.Option(help="Worker processes; default: one per --cuda-ids entry, else 1.")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Worker processes; default: one per --cuda-ids entry, else 1.", callback=whole_number(1))] = None,
     cuda_ids: Annotated[Optional[str], typer.Option(help="GPUs to use, e.g. 0,1.")] = None,
     ddp: Annotated[bool, typer.Option("--ddp", help="torch.distributed data parallel (gloo on CPU) instead of independent replicas.")] = False,
-    nproc: Annotated[int, typer.Option(help="Ranks for --ddp.")] = 2,
-    lease_seconds: Annotated[float, typer.Option(help="A claimed chunk returns to the pool this long after its last heartbeat.")] = 60.0,
-    save_every: Annotated[int, typer.Option(help="Save the checkpoint every N steps (per worker); a chunk counts as done once a checkpoint holds it.")] = DEFAULT_SAVE_EVERY,
+    nproc: Annotated[int, typer.Option(help="Ranks for --ddp.", callback=whole_number(1))] = 2,
+    lease_seconds: Annotated[float, typer.Option(help="A claimed chunk returns to the pool this long after its last heartbeat.", callback=real_number(0, above=True))] = 60.0,
+    save_every: Annotated[int, typer.Option(help="Save the checkpoint every N steps (per worker); a chunk counts as done once a checkpoint holds it.", callback=whole_number(1))] = DEFAULT_SAVE_EVERY,
     log_file: Annotated[Optional[Path], typer.Option(help="Metrics as JSON lines.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random init from config.json.")] = 0,
 ) -> None:

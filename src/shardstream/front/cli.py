@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import InvalidOption
+from ..options import DEVICE_PATTERN, EXPERT_OPTIONS
 from ..sizes import parse_size
 
 if TYPE_CHECKING:
@@ -24,13 +25,11 @@ if TYPE_CHECKING:
     from ..stream.model import StreamingModel
 
 Source = Annotated[str, typer.Argument(help="Store folder, or a checkpoint (folder, URL, Hub id) to convert first.")]
-EXPERT_OPTIONS = {"with-block": "with_block", "on-demand": "on_demand"}
-DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def check_device(device: str) -> None:
     """--device before any weight is read: a typo or a missing GPU is one sentence, not a torch traceback."""
-    if not DEVICE_PATTERN.fullmatch(device):
+    if not re.fullmatch(DEVICE_PATTERN, device):
         raise InvalidOption(f"--device {device!r} is not a device shardstream runs on; use cpu, cuda or cuda:N.")
     if device.startswith("cuda"):
         import torch
@@ -61,8 +60,6 @@ def command_options(flags: EngineFlags, batch_size: int = 1) -> EngineOptions:
     from ..stream.engine_options import EngineOptions
 
     check_device(flags.device)
-    if flags.experts not in EXPERT_OPTIONS:
-        raise InvalidOption(f"--experts must be one of {', '.join(EXPERT_OPTIONS)}, not {flags.experts!r}.")
     parse_compute_dtype(flags.compute_dtype, "--compute-dtype")
     budget = _size_or_auto(flags.max_resident_memory, "--max-resident-memory")
     host = _size_or_auto(flags.max_host_memory, "--max-host-memory")

@@ -250,8 +250,11 @@ class Store:
         try:
             return self.manifest.parts[part]
         except KeyError:
-            known = ", ".join(self.parts[:4]) + (" ..." if len(self.parts) > 4 else "")
-            raise PartNotFound(
-                f"the store at {self.root} has no part {part!r} (it has: {known}); run `shardstream inspect` to list them."
-            ) from None
+            raise self.no_part(part) from None
+
+    def no_part(self, part: str) -> PartNotFound:
+        """The error for a part name this store does not have, naming the first ones it has."""
+        known = ", ".join(self.parts[:4]) + (" ..." if len(self.parts) > 4 else "")
+        return PartNotFound(
+            f"the store at {self.root} has no part {part!r} (it has: {known}); run `shardstream inspect` to list them.")
 

@@ -24,20 +24,28 @@ def verify_store(root: Path, parts: list[str] | None = None) -> tuple[int, list[
     """Check sizes and checksums (the manifest's own checksum is checked on load).
 
     Returns the number of bytes hashed and the problems found; `parts` limits the check to files
-    under those part paths (e.g. ["mid/3"]).
+    under those part paths (e.g. ["mid/3"]); PartNotFound for a name no file is under.
     """
     root = Path(root)
     manifest = load_manifest(root)
     store = Store(root, manifest)   # parts relocated to tiers are checked where they are
+    for part in parts or []:
+        if not any(_under(name, part) for name in manifest.files):
+            raise store.no_part(part)
     hashed, problems = 0, []
     for name, record in sorted(manifest.files.items()):
-        if parts and not any(name == p or name.startswith(p.rstrip("/") + "/") for p in parts):
+        if parts and not any(_under(name, p) for p in parts):
             continue
         size, problem = _check(store.file_path(name), record, root)
         hashed, problems = hashed + size, problems + ([problem] if problem else [])
     if not manifest.complete:
         problems.append(Problem("manifest.json", "incomplete: conversion has not finished"))
     return hashed, problems
+
+
+def _under(file: str, part: str) -> bool:
+    """Whether the store file `file` belongs to part path `part` ("mid/3", or "mid" for all of them)."""
+    return file == part or file.startswith(part.rstrip("/") + "/")
 
 
 def verify_sharding(store: Store) -> tuple[int, list[Problem]]:
