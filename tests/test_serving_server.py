@@ -279,6 +279,10 @@ def test_invalid_json_and_unknown_model_through_the_client(server):
     served, http, client, _, _ = server
     response = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    for path in ("/v1/completions", "/v1/chat/completions"):   # was "you must provide a 'None' parameter."
+        response = http.post(path, headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "the request body is empty; send a JSON object."
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert caught.value.code == "model_not_found"
@@ -358,6 +362,25 @@ def test_chat_without_a_template_is_refused(tiny, tmp_path):
     finally:
         log = served.stop()
     assert "POST" not in log and "stopped" in log
+
+
+def test_a_chat_template_that_is_no_template_is_refused_before_serve_starts(tiny, tmp_path):
+    """A template Jinja cannot parse was taken, and then every chat request was a 500 with a traceback in
+    the log; a template that fails on the messages it is given is a 400 saying so."""
+    from transformers import AutoTokenizer
+
+    from shardstream.errors import InvalidOption
+    from shardstream.serving.text import chat_prompt
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ bos_token }}\n{% for m in messages %")
+    refused = subprocess.run([SHARDSTREAM, "serve", str(tiny[0]), "--port", "0", "--chat-template", str(broken)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"--chat-template {broken} line 2: unexpected 'end of template'; fix the Jinja template." in refused.stderr
+    tokenizer = AutoTokenizer.from_pretrained(tiny[0])
+    with pytest.raises(InvalidOption, match="the chat template cannot format these messages: .* 'nonexistent'"):
+        chat_prompt(tokenizer, [{"role": "user", "content": "Hi"}], "{{ messages[0].nonexistent.foo }}")
 
 
 def test_stop_filter_holds_back_a_possible_stop_string_across_pieces():

@@ -110,12 +110,24 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def read_template(path: Path | None) -> str | None:
+    """The --chat-template file's text, refused before the server starts where it is not a template."""
     if path is None:
         return None
     try:
-        return path.read_text()
+        text = path.read_text()
     except OSError as error:
         raise InvalidOption(f"cannot read --chat-template {path} ({error.strerror}); give a readable Jinja file.") from None
+    except UnicodeDecodeError:
+        raise InvalidOption(f"--chat-template {path} is not UTF-8 text; give a Jinja template file.") from None
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template   # as apply_chat_template compiles
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as error:
+        raise InvalidOption(f"--chat-template {path} line {error.lineno}: {error.message}; "
+                            "fix the Jinja template.") from None
+    return text
 
 
 def say(line: str) -> None:

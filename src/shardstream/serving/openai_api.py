@@ -200,6 +200,8 @@ def _validation_error(error: RequestValidationError) -> APIError:
     param = ".".join(path) or None
     if kind == "json_invalid":
         return APIError(400, "the request body is not valid JSON; send a JSON object.", None, "invalid_json")
+    if kind == "missing" and param is None:
+        return APIError(400, "the request body is empty; send a JSON object.", None, "invalid_json")
     if kind == "missing":
         return APIError(400, f"you must provide a '{param}' parameter.", param, "missing_required_parameter")
     if kind == "extra_forbidden":

@@ -69,7 +69,13 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
     if not template:
         raise InvalidOption("this model has no chat template (chat_template in tokenizer_config.json); "
                             "start serve with --chat-template FILE, or use /v1/completions.")
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as error:   # the template refuses these messages, or fails on them
+        raise InvalidOption(f"the chat template cannot format these messages: {error}") from None
 
 
 def sampling_options(max_new_tokens: int, temperature: float, top_p: float,
