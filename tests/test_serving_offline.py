@@ -81,6 +81,12 @@ def test_resume_refuses_an_output_of_another_prompts_file(tmp_path):
         resume(output, [Prompt(0, PROMPTS[0])])
 
 
+def test_resume_refuses_an_output_that_is_a_folder(tmp_path):
+    """It was an IsADirectoryError traceback."""
+    with pytest.raises(InvalidOption, match=f"--output {tmp_path} is a folder; give the .jsonl file the answers go to"):
+        resume(tmp_path, [Prompt(0, PROMPTS[0])])
+
+
 def test_length_order_sorts_within_windows_only():
     prompts = [Prompt(i, "x" * n) for i, n in enumerate([5, 1, 3, 9, 2, 8, 7, 4, 6])]
     lengths = [len(p.text) for p in prompts]

@@ -285,6 +285,27 @@ def test_an_unfinished_quantized_store_is_finished_with_its_own_compression(tmp_
         model(_prompts())
 
 
+def test_an_unfinished_store_says_it_is_finished_or_that_its_checkpoint_is_gone(tmp_path, caplog):
+    """generate/serve given an unfinished store finish it from the checkpoint its manifest records and say
+    so; where that folder has moved, the error was that a checkpoint the user never named does not exist."""
+    from shardstream.front.resolve import ensure_store
+
+    _, store_path = _make(tmp_path, "llama")
+    ckpt = tmp_path / "ckpt"
+    manifest = load_manifest(store_path)
+    manifest.complete = False
+    del manifest.parts["mid/1"]
+    manifest.save(store_path)
+    ckpt.rename(tmp_path / "moved")
+    with pytest.raises(StoreIncomplete, match=f"the store at {store_path} is unfinished, and {ckpt.resolve()}, the "
+                                              "checkpoint it was being converted from, is not there any more"):
+        ensure_store(str(store_path))
+    (tmp_path / "moved").rename(ckpt)
+    with caplog.at_level("WARNING", logger="shardstream.resolve"):
+        assert ensure_store(str(store_path)).manifest.complete
+    assert f"the store at {store_path} is unfinished; finishing its conversion from {ckpt.resolve()}" in caplog.text
+
+
 def test_corrupt_block_fails_its_checksum_on_first_use(tmp_path):
     _, store_path = _make(tmp_path, "llama")
     store = open_store(store_path)

@@ -80,9 +80,22 @@ def ensure_store(source: str | os.PathLike, conversion: ConversionOptions = Conv
     except StoreIncomplete:
         if Path(source).resolve() == path.resolve():
             raise
+        if given_store:
+            _refuse_lost_source(path, source)
+            log.warning("the store at %s is unfinished; finishing its conversion from %s.", path, source)
     with rerun_continues():   # a Ctrl-C now leaves a conversion that the same command continues
         convert(source, path, conversion=conversion, **convert_options)
     return open_store(path)
+
+
+def _refuse_lost_source(path: Path, source: str) -> None:
+    """An unfinished store whose recorded checkpoint folder is gone: said as such, not as a checkpoint the
+    user never named."""
+    if Path(source).is_absolute() and not Path(source).exists():
+        raise StoreIncomplete(
+            f"the store at {path} is unfinished, and {source}, the checkpoint it was being converted from, is not "
+            f"there any more; run `shardstream convert CHECKPOINT {path}` with the checkpoint's new place to "
+            "finish it.")
 
 
 def _refuse_rank_share(folder: str, manifest: Manifest) -> None:

@@ -72,6 +72,9 @@ def _json_prompt(path: Path, number: int, line: str) -> Prompt:
 
 def resume(output: Path, prompts: list[Prompt]) -> int:
     """How many answers `output` already holds; drops a torn last line, refuses another file's answers."""
+    if output.is_dir():
+        raise InvalidOption(f"--output {output} is a folder; give the .jsonl file the answers go to, "
+                            f"such as {output / 'answers.jsonl'}.")
     if not output.exists():
         return 0
     data = output.read_bytes()
