@@ -283,6 +283,11 @@ def test_invalid_json_and_unknown_model_through_the_client(server):
         response = http.post(path, headers={"content-type": "application/json"})
         assert response.status_code == 400
         assert response.json()["error"]["message"] == "the request body is empty; send a JSON object."
+    for body, kind in ((b"[1, 2]", "application/json"), (b'"x"', "application/json"),
+                       (b'{"prompt": "x"}', "text/plain")):   # each was "Input should be a valid dictionary ..."
+        response = http.post("/v1/completions", content=body, headers={"content-type": kind})
+        assert response.status_code == 400 and response.json()["error"]["message"] == (
+            "the request body is not a JSON object; send one, with Content-Type: application/json.")
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert caught.value.code == "model_not_found"

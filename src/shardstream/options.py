@@ -60,7 +60,7 @@ def model_id(source: str) -> str:
 
 
 def model_names(given: list[str] | None, source: str) -> list[str]:
-    """The model ids of `--model-name` (repeated, or comma lists), the first the one reported; `source`'s
+    """The model ids of `--model-name` (repeated, or comma lists), the first the one answers name; `source`'s
     model_id when none is given."""
     return [name.strip() for value in (given or [model_id(source)]) for name in value.split(",") if name.strip()]
 

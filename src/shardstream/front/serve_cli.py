@@ -40,8 +40,8 @@ def serve_command(
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free one, printed).",
                                       callback=whole_number(0, 65535))] = 8000,
     model_name: Annotated[Optional[list[str]], typer.Option(
-        help="Model id(s) clients send as `model` (repeat, or a comma list); the first is reported by "
-             "/v1/models. Default: the store's folder name (a Hub id as given). Any other id is a 404 "
+        help="Model id(s) clients send as `model` (repeat, or a comma list), all listed by "
+             "/v1/models; answers name the first. Default: the store's folder name (a Hub id as given). Any other id is a 404 "
              "model_not_found.")] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together (each choice of each "
                                                      "request is one); fewer while the memory left cannot hold "

@@ -217,8 +217,8 @@ class Serving:
                                   "but /health and the agents' /stages, which want --token); without it the API "
                                   "wants --token.")] = None
     model_name: Annotated[Optional[list[str]], typer.Option(
-        help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list); the first is "
-             "reported by /v1/models. Default: the --model folder's name, as serve names it. Any other id is a "
+        help="With --serve-port: model id(s) clients send as `model` (repeat, or a comma list), all listed "
+             "by /v1/models; answers name the first. Default: the --model folder's name, as serve names it. Any other id is a "
              "404 model_not_found.")] = None
     chat_template: Annotated[Optional[Path], typer.Option(
         help="With --serve-port: a Jinja chat template file, for a model whose tokenizer has none (else chat is "

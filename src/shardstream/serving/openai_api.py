@@ -202,6 +202,9 @@ def _validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, "the request body is not valid JSON; send a JSON object.", None, "invalid_json")
     if kind == "missing" and param is None:
         return APIError(400, "the request body is empty; send a JSON object.", None, "invalid_json")
+    if param is None and kind in ("model_attributes_type", "dict_type"):   # a list, a string, or not sent as JSON
+        return APIError(400, "the request body is not a JSON object; send one, with Content-Type: application/json.",
+                        None, "invalid_json")
     if kind == "missing":
         return APIError(400, f"you must provide a '{param}' parameter.", param, "missing_required_parameter")
     if kind == "extra_forbidden":
