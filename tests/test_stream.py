@@ -289,6 +289,7 @@ def test_an_unfinished_store_says_it_is_finished_or_that_its_checkpoint_is_gone(
     """generate/serve given an unfinished store finish it from the checkpoint its manifest records and say
     so; where that folder has moved, the error was that a checkpoint the user never named does not exist."""
     from shardstream.front.resolve import ensure_store
+    from shardstream.store.verify import verify_store
 
     _, store_path = _make(tmp_path, "llama")
     ckpt = tmp_path / "ckpt"
@@ -296,6 +297,8 @@ def test_an_unfinished_store_says_it_is_finished_or_that_its_checkpoint_is_gone(
     manifest.complete = False
     del manifest.parts["mid/1"]
     manifest.save(store_path)
+    # verify names the part not written yet by the store's incompleteness, not as one it does not have
+    assert [p.file for p in verify_store(store_path, ["mid/1"])[1]] == ["manifest.json"]
     ckpt.rename(tmp_path / "moved")
     with pytest.raises(StoreIncomplete, match=f"the store at {store_path} is unfinished, and {ckpt.resolve()}, the "
                                               "checkpoint it was being converted from, is not there any more"):
