@@ -139,6 +139,10 @@ SIZE = "a size such as 500MB, 2GB or 2GiB, or auto"
     ("train", "--workers", "0", "a whole number of at least 1, not 0"),
     ("train", "--steps", "0", "a whole number of at least 1, not 0"),
     ("train", "--batch-size", "0", "a whole number of at least 1, not 0"),
+    ("agent", "--port", "70000", "a whole number from 0 to 65535, not 70000"),
+    ("agent", "--data-port", "70000", "a whole number from 0 to 65535, not 70000"),   # was taken as port 4464
+    ("coordinator", "--serve-port", "-1", "a whole number from 0 to 65535, not -1"),
+    ("agent", "--name", "", "a name that is not empty nor starts or ends with a space, not ''"),
 ])
 def test_an_option_value_out_of_range_is_refused_before_anything_loads(tmp_path, command, option, value, refusal):
     """`--port 70000` was a 42-line OverflowError, `--temperature nan` a 54-line traceback and `inf` was
@@ -148,7 +152,25 @@ def test_an_option_value_out_of_range_is_refused_before_anything_loads(tmp_path,
     say that instead."""
     nowhere, out = str(tmp_path / "nowhere"), str(tmp_path / "out")
     given = {"generate": [nowhere, "--prompt", "hi"], "convert": [nowhere, out],
-             "train": ["--model", nowhere, "--dataset-file", nowhere, "--output", out]}.get(command, [nowhere])
+             "train": ["--model", nowhere, "--dataset-file", nowhere, "--output", out],
+             "agent": ["--name", "a", "--token", "t"], "coordinator": ["--model", nowhere, "--token", "t"],
+             }.get(command, [nowhere])
     result = run_cli(command, *given, option, value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"error: {option} must be {refusal}. (see `shardstream {command} -h`)\n"
+
+
+@pytest.mark.parametrize("command, option, url", [
+    ("agent", "--join", "http://127.0.0.1:abc"),   # a traceback in the joining thread, and the agent ran on
+    ("coordinator", "--urls", "http://127.0.0.1:notaport"),
+    ("coordinator", "--urls", "http://127.0.0.1:8008,http://[::1"),
+    ("coordinator", "--urls", "http://127.0.0.1:99999"),
+    ("coordinator", "--urls", "pi.local:8008"),
+])
+def test_a_url_that_is_no_url_is_refused_before_anything_starts(tmp_path, command, option, url):
+    given = ["--name", "a", "--token", "t"] if command == "agent" else ["--model", str(tmp_path), "--token", "t"]
+    result = run_cli(command, *given, option, url, cwd=tmp_path)
+    bad = url.rsplit(",", 1)[-1]
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: {option} must name http(s)://HOST:PORT URLs, and {bad!r} is not one. "
+                             f"(see `shardstream {command} -h`)\n")

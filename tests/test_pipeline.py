@@ -170,7 +170,12 @@ def test_an_agent_on_a_taken_port_says_so(agents):
     run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
                           "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert f"the agent cannot listen on 127.0.0.1:{port} (Address already in use); pick another --port." in run.stderr
+    assert f"the agent cannot listen on 127.0.0.1:{port} (Address already in use); stop what uses that port or pick another --port." in run.stderr
+    run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                          "--host", "no-such-host.invalid", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr   # it advised another --port
+    assert "the agent cannot listen on no-such-host.invalid:0 (" in run.stderr
+    assert "); give --host an address of this machine (127.0.0.1, 0.0.0.0 for every interface, or one of its own)." in run.stderr
     with socket.socket() as taken:   # the data port given and taken
         taken.bind(("0.0.0.0", 0))
         taken.listen()

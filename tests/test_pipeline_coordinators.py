@@ -205,7 +205,7 @@ def test_an_agent_joins_a_running_coordinator(tiny, agents, coordinators, tmp_pa
     """`agent --join URL` asks a running coordinator to take it in: the coordinator
     re-plans with it and prints the new plan, the agent prints it too, and requests still answer."""
     store, expected = tiny
-    running, url = coordinators(store, [agents[0].url], tmp_path / "work")
+    running, url = coordinators(store, [agents[0].url] * 2, tmp_path / "work")   # listed twice: "two agents named 'a'"
     assert _text(url) == expected
     assert httpx.get(url + "/health").json()["agents"] == ["a"]
     late = Running([*CLI, "agent", "--name", "late", "--token", TOKEN, "--port", "0", "--cache-dir",
@@ -221,6 +221,13 @@ def test_an_agent_joins_a_running_coordinator(tiny, agents, coordinators, tmp_pa
         assert twin.returncode == 1 and "Traceback" not in twin.stderr, twin.stderr
         assert f"an agent named 'a' is in this pipeline already ({agents[0].url}); start the one at" \
                in twin.stderr.strip().splitlines()[-1]
+        lost = subprocess.run([*CLI, "agent", "--name", "lost", "--token", TOKEN, "--port", "0", "--cache-dir",
+                               str(tmp_path / "lost"), "--join", agents[0].url], capture_output=True, text=True,
+                              timeout=300)   # an agent, not a coordinator: its 404 body was shown as it was
+        assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr
+        assert lost.stderr.strip().splitlines()[-1] == (
+            f"error: {agents[0].url} answers no join (HTTP 404): it is not a coordinator's --serve-port; give --join "
+            "that URL.")
     finally:
         late.stop()
 

@@ -354,7 +354,7 @@ def test_request_lines_and_a_port_in_use(server, tiny):
     store = tiny[0]
     taken = subprocess.run([SHARDSTREAM, "serve", str(store), "--port", str(served.port)], capture_output=True,
                            text=True, timeout=60)
-    assert taken.returncode == 1 and "choose another --port" in taken.stderr + taken.stdout
+    assert taken.returncode == 1 and "pick another --port" in taken.stderr + taken.stdout
     assert "Traceback" not in taken.stderr
 
 

@@ -4,7 +4,10 @@ shardstream shares."""
 
 from __future__ import annotations
 
+import errno
 import socket
+
+from .errors import InvalidOption
 
 # How long an idle kept-alive connection stays open: longer than the clients and proxies that pool
 # connections keep one (httpx and Node 5 s, aiohttp 15 s, load balancers 60 s), so that the client
@@ -30,6 +33,19 @@ def tcp_listener(host: str, port: int) -> socket.socket:
         listener.close()
         raise
     return listener
+
+
+def listening(host: str, port: int, who: str, port_option: str) -> socket.socket:
+    """`tcp_listener`, its failure one sentence saying what `who` ("the agent") could not do and which option
+    to change: --host for an address this machine does not have, `port_option` for a port in use."""
+    try:
+        return tcp_listener(host, port)
+    except OSError as error:
+        if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:
+            advice = "give --host an address of this machine (127.0.0.1, 0.0.0.0 for every interface, or one of its own)"
+        else:
+            advice = f"stop what uses that port or pick another {port_option}"
+        raise InvalidOption(f"{who} cannot listen on {host}:{port} ({error.strerror}); {advice}.") from None
 
 
 def server_config(app, **options):

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Optional
+from urllib.parse import urlsplit
 
 import typer
 from typer._click.exceptions import UsageError   # typer's bundled click (typer is pinned)
@@ -116,6 +117,19 @@ def texts(param: typer.CallbackParam, value: list[str] | None) -> list[str] | No
     """A repeatable text option, none of its values empty."""
     if value and not all(value):
         raise UsageError(f"{param.opts[0]} must be a non-empty text, not ''.")
+    return value
+
+
+def http_urls(param: typer.CallbackParam, value: str | None) -> str | None:
+    """An option of http(s) URLs, comma-separated: each with a host and a port that is a number up to 65535."""
+    for url in filter(None, (part.strip() for part in (value or "").split(","))):
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+        except ValueError:   # a port that is no number or past 65535, a broken [IPv6] host
+            ok = False
+        if not ok:
+            raise UsageError(f"{param.opts[0]} must name http(s)://HOST:PORT URLs, and {url!r} is not one.")
     return value
 
 

@@ -15,7 +15,7 @@ import typer
 
 from ..errors import InvalidOption
 from ..option_groups import Part, with_groups
-from ..options import EngineFlags, Sampling, model_names
+from ..options import EngineFlags, Sampling, http_urls, matching, model_names, whole_number
 from ..switches import API_KEY, TOKEN
 
 if TYPE_CHECKING:
@@ -30,11 +30,14 @@ AGENT_COMPUTE_DTYPE = ("dtype this agent's stages compute in: auto (bfloat16 whe
 
 @with_groups(engine=Part(EngineFlags, only=("compute_dtype",), help={"compute_dtype": AGENT_COMPUTE_DTYPE}))
 def agent_command(
-    name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.")],
+    name: Annotated[str, typer.Option(help="This device's name in plans and --pipeline-order.",
+                                      callback=matching(r"\S(.*\S)?", "a name that is not empty nor starts or ends with a space"))],
     token: Token,
-    port: Annotated[int, typer.Option(help="Control-plane HTTP port (0: any free one; see --ready-file).")] = 8008,
+    port: Annotated[int, typer.Option(help="Control-plane HTTP port (0: any free one; see --ready-file).",
+                                      callback=whole_number(0, 65535))] = 8008,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface, to serve other machines).")] = "127.0.0.1",
-    data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1, or any free one with --port 0).")] = None,
+    data_port: Annotated[Optional[int], typer.Option(help="ZeroMQ port for activations (default: --port + 1, or any free one with --port 0).",
+                                                     callback=whole_number(0, 65535))] = None,
     cache_dir: Annotated[Path, typer.Option(help="Where downloaded stages are kept.")] = Path.home() / ".cache" / "shardstream" / "stages",
     advertise: Annotated[bool, typer.Option("--advertise", help="Announce this agent by mDNS (needs zeroconf).")] = False,
     ready_file: Annotated[Optional[Path], typer.Option(help="Once bound, write {\"port\", \"data_port\"} here as JSON.")] = None,
@@ -48,7 +51,8 @@ def agent_command(
                                                            "--mem-fraction of the offer. Planned for, not enforced.")] = None,
     join: Annotated[Optional[str], typer.Option(help="Join the running coordinator at this URL (its --serve-port), "
                                                      "e.g. http://pc.local:8090: it re-plans with this agent (taking it "
-                                                     "from any other coordinator) and prints the new plan.")] = None,
+                                                     "from any other coordinator) and prints the new plan.",
+                                                callback=http_urls)] = None,
     engine: EngineFlags = EngineFlags(),
 ) -> None:
     """Run a pipeline agent: it loads the stage the coordinator assigns and runs its blocks."""
@@ -58,7 +62,7 @@ def agent_command(
     import zmq
 
     from ..atomic import write_json_atomic
-    from ..listener import server_config, tcp_listener
+    from ..listener import listening, server_config
     from ..sizes import parse_size
     from ..stream.compute_dtype import parse_compute_dtype
     from ..stream.engine_options import EngineOptions
@@ -76,10 +80,7 @@ def agent_command(
         import torch
 
         torch.set_num_threads(threads)
-    try:
-        listener = tcp_listener(host, port)
-    except OSError as error:
-        raise InvalidOption(f"the agent cannot listen on {host}:{port} ({error.strerror}); pick another --port.") from None
+    listener = listening(host, port, "the agent", "--port")
     if data_port is None:   # --port 0 asks for free ports: the data port too, not the bound port + 1
         data_port = port + 1 if port else 0
     port = listener.getsockname()[1]
@@ -150,7 +151,7 @@ def _join(server, coordinator: str, own_url: str, token: str, name: str, refused
     try:
         response = httpx.post(url, json={"url": own_url}, headers={"Authorization": f"Bearer {token}"},
                               timeout=JOIN_TIMEOUT)
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
         refused.append(SourceUnreachable(f"the coordinator at {coordinator} could not be reached ({error}); check "
                                          "--join (its --serve-port) and that it runs."))
     else:
@@ -158,8 +159,11 @@ def _join(server, coordinator: str, own_url: str, token: str, name: str, refused
             typer.echo(f"agent {name} joined the coordinator at {coordinator} (plan epoch {response.json()['epoch']}):\n"
                        f"{response.json()['table']}")
             return
-        refused.append(InvalidOption(f"the coordinator at {coordinator} refused to take agent {name} in "
-                                     f"(HTTP {response.status_code}): {_message(response)}"))
+        refused.append(InvalidOption(
+            f"{coordinator} answers no join (HTTP 404): it is not a coordinator's --serve-port; give --join that URL."
+            if response.status_code == 404 else
+            f"the coordinator at {coordinator} refused to take agent {name} in (HTTP {response.status_code}): "
+            f"{_message(response)}"))
     server.should_exit = True
 
 
@@ -208,7 +212,8 @@ class Serving:
     """Where and how the coordinator serves the OpenAI API (--serve-port)."""
 
     serve_port: Annotated[Optional[int], typer.Option(
-        help="Serve /v1/completions on this port and keep running (0: any free one, printed).")] = None
+        help="Serve /v1/completions on this port and keep running (0: any free one, printed).",
+        callback=whole_number(0, 65535))] = None
     host: Annotated[str, typer.Option(
         help="Address the coordinator listens on (0.0.0.0: every interface; agents fetch stages from it, so "
              "remote agents need it exposed).")] = "127.0.0.1"
@@ -229,7 +234,8 @@ class Serving:
 def coordinator_command(
     model: Annotated[Path, typer.Option(help="The store folder (output of `shardstream convert`).")],
     token: Token,
-    urls: Annotated[Optional[str], typer.Option(help="Comma-separated agent URLs, e.g. http://pi.local:8008.")] = None,
+    urls: Annotated[Optional[str], typer.Option(help="Comma-separated agent URLs, e.g. http://pi.local:8008.",
+                                                callback=http_urls)] = None,
     discover: Annotated[float, typer.Option(help="Also look for agents by mDNS for this many seconds.")] = 0.0,
     planning: Planning = Planning(),
     package: Annotated[bool, typer.Option("--package", help="Package the stages and load them on the agents.")] = False,
@@ -251,7 +257,8 @@ def coordinator_command(
     from .generation import PipelineModel
     from .server import BackgroundServer, coordinator_app
 
-    found = [u for u in (urls or "").split(",") if u] + (find(discover) if discover else [])
+    found = list(dict.fromkeys([u.strip() for u in (urls or "").split(",") if u.strip()]
+                               + (find(discover) if discover else [])))   # an agent listed twice is one agent
     if not found:
         raise InvalidOption(
             "no agents: give --urls, or --discover SECONDS to find agents started with --advertise"

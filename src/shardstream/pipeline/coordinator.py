@@ -81,7 +81,7 @@ class Coordinator:
             agent.name = agent.get("/v1/capabilities", timeout=10)["name"]
             if agent.name in self.agents:
                 raise InvalidOption(f"two agents are named {agent.name!r} ({self.agents[agent.name].url}, {agent.url}); "
-                                    "start them with different --name.")
+                                    "start them with different --name, or list an agent once in --urls.")
             self.agents[agent.name] = agent
         unknown = [n for n in options.pipeline_order or [] if n not in self.agents]
         if unknown:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, PipelineUnavailable
-from ..listener import server_config, tcp_listener
+from ..listener import listening, server_config
 from ..serving.openai_api import HEALTH_PATH, APIError, RequireBearer, install_errors
 from ..serving.server import create_app
 from .client import AgentClient
@@ -93,11 +93,7 @@ class BackgroundServer:
     bound here, before anything slow: one in use is said at once, in one sentence."""
 
     def __init__(self, app: FastAPI, host: str, port: int):
-        try:
-            listener = tcp_listener(host, port)
-        except OSError as error:
-            raise InvalidOption(f"the coordinator cannot listen on {host}:{port} ({error.strerror}); stop what uses "
-                                "that port or pick another --serve-port.") from None
+        listener = listening(host, port, "the coordinator", "--serve-port")
         self.port = listener.getsockname()[1]
         self._server = uvicorn.Server(server_config(app))
         self._thread = threading.Thread(target=self._run, args=(listener,), name="coordinator-http", daemon=True)

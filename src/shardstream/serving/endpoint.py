@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidOption
-from ..listener import tcp_listener
+from ..listener import listening
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,7 @@ def stop_on_signals(stop: Callable[[signal.Signals], None]) -> None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    try:
-        listener = tcp_listener(host, port)
-    except OSError as error:
-        raise InvalidOption(f"cannot listen on {host}:{port} ({error.strerror}); stop what uses that port or "
-                            "choose another --port.") from None
+    listener = listening(host, port, "the server", "--port")
     listener.listen(2048)
     return listener
 
