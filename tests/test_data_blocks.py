@@ -102,3 +102,16 @@ def test_bad_sources_name_the_file_and_the_fix(tmp_path):
     path.write_text("{not json\n")
     with pytest.raises(DatasetError, match="line 1 is not JSON"):
         list(iter_samples(str(path)))
+    # a record far into the file without the field is located; a field that holds no text is said to be so
+    path.write_text("".join(json.dumps({"text": f"sample {i}", "id": i}) + "\n" for i in range(150))
+                    + json.dumps({"content": "late"}) + "\n")
+    with pytest.raises(DatasetError, match=f"dataset {path} line 151 has no 'text' field; pass --text-field with one "
+                                           r"of \['content'\]"):
+        list(iter_samples(str(path)))
+    with pytest.raises(DatasetError, match=f"dataset {path} line 1: field 'id' holds int 0, not text; pass --text-field "
+                                           r"with a field of text, one of \['id', 'text'\]"):   # an AttributeError
+        list(iter_samples(str(path), "id"))
+    path = tmp_path / "a.csv"
+    path.write_text("text,n\nfirst,1\n")
+    with pytest.raises(DatasetError, match=f"dataset {path} line 2 has no 'body' field"):
+        list(iter_samples(str(path), "body"))

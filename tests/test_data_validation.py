@@ -81,3 +81,47 @@ def test_sqlite_urls_follow_sqlalchemy(tmp_path, monkeypatch):
     with open_tracker(f"sqlite:///{tmp_path}/made.sqlite") as tracker:
         tracker.setup("src", 8, 4)
     assert (tmp_path / "made.sqlite").is_file() and not (tmp_path / "tmp").exists()
+
+
+def test_data_commands_name_a_folder_or_an_unreadable_state_and_leave_nothing(tmp_path):
+    """`data export --output FOLDER` and to an unwritable place were tracebacks; `--tracker FOLDER` was said
+    not to exist; an import of a state file that cannot be read left an empty tracker behind."""
+    with open_tracker(str(tmp_path / "t.sqlite")) as tracker:
+        tracker.setup("corpus.txt", 100, 10)
+    (tmp_path / "out").mkdir()
+    assert "--output out is a folder; give the JSON file to write, such as out/chunk_tracker_state.json" in _fails(
+        tmp_path, "data", "export", "--tracker", "t.sqlite", "--output", "out")
+    assert "cannot write --output /proc/x.json (" in _fails(
+        tmp_path, "data", "export", "--tracker", "t.sqlite", "--output", "/proc/x.json")
+    assert f"tracker {tmp_path / 'out'} is a folder; pass its SQLite file" in _fails(
+        tmp_path, "data", "status", "--tracker", "out")
+    before = _tree(tmp_path)
+    assert "tracker state file missing.json cannot be read" in _fails(
+        tmp_path, "data", "import", "--tracker", "new.sqlite", "--state", "missing.json")
+    assert _tree(tmp_path) == before
+
+
+def test_a_tracker_of_another_dataset_is_refused(tmp_path):
+    """It was taken: a run on a 1000-sample file trained the 200-sample file's blocks, and said it had."""
+    with open_tracker(str(tmp_path / "t.sqlite")) as tracker:
+        tracker.setup("/data/corpus-a.txt", 100, 10)
+        tracker.setup("/mnt/elsewhere/corpus-a.txt", 100, 10)   # the same data where another machine keeps it
+        with pytest.raises(InvalidOption, match="was made for the dataset /data/corpus-a.txt, not big.txt; pass that "
+                                                "--dataset-file"):
+            tracker.setup("big.txt", 100, 10)
+
+
+def test_a_model_folder_missing_weight_files_its_index_names_is_refused_up_front(tmp_path):
+    """transformers' FileNotFoundError traceback came once the run had started."""
+    from shardstream.data.model import check_model_folder
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(InvalidOption, match=f"model folder {tmp_path} lacks 1 of the 2 weight files its "
+                                            "model.safetensors.index.json names \\(first: model-00001-of-00002"):
+        check_model_folder(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(InvalidOption, match="is not a weight index"):
+        check_model_folder(str(tmp_path))

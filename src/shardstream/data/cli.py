@@ -111,14 +111,23 @@ def status_command(tracker: TrackerOption, as_json: Annotated[bool, typer.Option
 @data_app.command("export", cls=Command)
 def export_command(tracker: TrackerOption, output: Annotated[Path, typer.Option(help="The JSON file to write.")]) -> None:
     """Write the whole tracker to a chunk_tracker_state.json file."""
+    if output.is_dir():
+        raise InvalidOption(f"--output {output} is a folder; give the JSON file to write, such as "
+                            f"{output / 'chunk_tracker_state.json'}.")
     with open_tracker(tracker, must_exist=True) as t:
-        write_state(output, t.export_state())
+        state = t.export_state()
+    try:
+        write_state(output, state)
+    except OSError as error:
+        raise InvalidOption(f"cannot write --output {output} ({error.strerror}); give a file in a folder you can "
+                            "write to.") from None
     typer.echo(f"wrote {output}")
 
 
 @data_app.command("import", cls=Command)
 def import_command(tracker: TrackerOption, state: Annotated[Path, typer.Option(help="A chunk_tracker_state.json file.")]) -> None:
     """Load a chunk_tracker_state.json file into a new, empty tracker."""
+    loaded = read_state(state)   # a state file that cannot be read leaves no tracker behind
     with open_tracker(tracker) as t:
-        t.import_state(read_state(state))
+        t.import_state(loaded)
     typer.echo(f"imported {state} into {tracker}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,9 +21,22 @@ def has_weights(path: Path) -> bool:
 
 
 def check_model_folder(model_path: str) -> Path:
+    """The --model folder, checked before anything starts: its config.json, and every shard its weight index names."""
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise InvalidOption(f"model folder {model_path} has no config.json; pass --model a folder with config.json or a checkpoint.")
+    for index in (path / name for name in WEIGHT_FILES if name.endswith(".index.json")):
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError, TypeError):
+                raise InvalidOption(f"{index} is not a weight index (a JSON object with a weight_map); restore it "
+                                    "from the checkpoint.") from None
+            missing = [shard for shard in shards if not (path / shard).is_file()]
+            if missing:
+                raise InvalidOption(f"model folder {model_path} lacks {len(missing)} of the {len(shards)} weight files "
+                                    f"its {index.name} names (first: {missing[0]}); download them, or pass a folder "
+                                    "with config.json alone for a random init.")
     return path
 
 

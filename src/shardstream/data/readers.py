@@ -51,10 +51,15 @@ def local_files(source: str) -> list[Path]:
     return [path]
 
 
-def _field(record: dict, text_field: str, where: Path | str) -> str:
+def _field(record: dict, text_field: str, where: Path | str) -> str | None:
+    """A record's text; `where` (the file, and the line where there is one) names a record without it."""
     if text_field not in record:
         raise DatasetError(f"dataset {where} has no {text_field!r} field; pass --text-field with one of {sorted(record)}.")
-    return record[text_field]
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise DatasetError(f"dataset {where}: field {text_field!r} holds {type(text).__name__} {text!r:.40}, not text; "
+                           f"pass --text-field with a field of text, one of {sorted(record)}.")
+    return text
 
 
 def _read_txt(path: Path, text_field: str) -> Iterator[str]:
@@ -71,13 +76,13 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"dataset file {path} line {number} is not JSON ({e.msg}); fix or remove that line.") from None
-            yield record if isinstance(record, str) else _field(record, text_field, path)
+            yield record if isinstance(record, str) else _field(record, text_field, f"{path} line {number}")
 
 
 def _read_csv(path: Path, text_field: str) -> Iterator[str]:
     with path.open(encoding="utf-8", newline="") as f:
-        for record in csv.DictReader(f):
-            yield _field(record, text_field, path)
+        for number, record in enumerate(csv.DictReader(f), 2):   # line 1 names the columns
+            yield _field(record, text_field, f"{path} line {number}")
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:

@@ -41,6 +41,9 @@ def open_tracker(url: str, must_exist: bool = False) -> ChunkTracker:
         from shardstream.data.tracker_postgres import PostgresTracker
 
         return PostgresTracker(url)
+    if path.is_dir():
+        raise TrackerNotFound(f"tracker {path.resolve()} is a folder; pass its SQLite file (a training run's is "
+                              f"{path / 'chunk_tracker.sqlite'}).")
     if must_exist and not path.is_file():
         raise TrackerNotFound(f"tracker {path.resolve()} does not exist; pass the --tracker a training run used "
                               "(by default OUTPUT/chunk_tracker.sqlite).")

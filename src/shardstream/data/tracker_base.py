@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from shardstream.data import tracker_state
@@ -48,6 +49,14 @@ SCHEMA = [
 
 _OWNED = "epoch = ? AND block = ? AND chunk = ? AND state = 'leased' AND owner = ? AND attempts = ?"
 _CHUNK_COLUMNS = "epoch, block, chunk, state, owner, lease_expires, attempts, worker, step, samples, completed_at"
+
+
+def dataset_name(source: str) -> str:
+    """What a tracker knows a dataset by: a file's or folder's own name (the machines that share a tracker
+    may keep the data in different folders), an hf:// or URL source whole."""
+    if "://" in source:
+        return source
+    return PurePath(source.rstrip("/\\")).name or source
 
 
 @dataclass(frozen=True)
@@ -112,12 +121,16 @@ class ChunkTracker:
     # -- setup -------------------------------------------------------------------------------
 
     def setup(self, source: str, samples_per_block: int, chunk_size: int) -> None:
-        """Create the tables, or check that an existing tracker was made with the same blocking."""
+        """Create the tables, or check that an existing tracker was made for the same dataset (by name: the
+        machines sharing a tracker may hold it in different folders) with the same blocking."""
         with self._tx() as cur:
             self._create_schema(cur)
             cur.execute(self._q("INSERT INTO shardstream_tracker (id, source, samples_per_block, chunk_size) "
                                 "VALUES (1, ?, ?, ?) ON CONFLICT (id) DO NOTHING"), (source, samples_per_block, chunk_size))
-            spb, cs = self._one(cur, "SELECT samples_per_block, chunk_size FROM shardstream_tracker WHERE id = 1")
+            made, spb, cs = self._one(cur, "SELECT source, samples_per_block, chunk_size FROM shardstream_tracker WHERE id = 1")
+        if dataset_name(made) != dataset_name(source):
+            raise InvalidOption(f"tracker {self.url} was made for the dataset {made}, not {source}; pass that "
+                                "--dataset-file (the same data, wherever it is on this machine) or use a new --tracker.")
         if (spb, cs) != (samples_per_block, chunk_size):
             raise InvalidOption(f"tracker {self.url} was made with {spb} samples per block and chunk size {cs}; "
                                 "pass those values or use a new --tracker.")
