@@ -406,10 +406,12 @@ def test_experts_over_http(placed, original):
         [(f"/tiers/warm/{record.file}", 206, record.length)]   # one ranged read of the expert's own bytes
 
 
-@pytest.mark.parametrize("spec", ["hot", "hot=/a,hot=/b", "Hot=/a", "hot="])
+@pytest.mark.parametrize("spec", ["hot", "Hot=/a", "hot="])
 def test_bad_tier_spec(spec):
     with pytest.raises(InvalidOption, match="write name=folder pairs"):
         parse_tiers(spec)
+    with pytest.raises(InvalidOption, match="--tiers names tier 'hot' twice; give each tier one folder."):
+        parse_tiers("hot=/a,hot=/b")
     assert parse_tiers("hot=/a,cold=rel") == {"hot": "/a", "cold": "rel"}
 
 

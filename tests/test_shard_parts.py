@@ -42,6 +42,15 @@ def store(converted, tmp_path):
     return store
 
 
+def test_a_relative_tier_folder_outside_the_store_is_refused(store):
+    """It was said to name "the file '../warm', which is outside its folder"."""
+    index = load_index(store, for_update=True)
+    for outside in ("../warm", "~/warm"):
+        with pytest.raises(InvalidOption, match=f"--tiers folder '{outside}' of tier 'lukewarm' is outside the store: "
+                                                "a relative folder is inside it; give a folder outside as an absolute path."):
+            define_tiers(store, index, {"lukewarm": outside})
+
+
 def test_a_part_moves_and_every_reader_follows(store, converted, tmp_path):
     original, reference = converted
     assert relocate_part(store, "mid/1", "cold") == "cold"

@@ -345,6 +345,10 @@ def test_prompt_longer_than_the_context_is_refused(llama):
             model(_prompts(batch=1, length=65))
         with pytest.raises(InvalidOption, match="at most 4 new tokens"):
             model.generate(_prompts(batch=1, length=60), max_new_tokens=10)
+        for given, kind in (([[1, 2, 3]], "list"), ("ROMEO:", "str")):   # an AttributeError from inside
+            with pytest.raises(InvalidOption, match=f"input_ids must be a tensor of token ids, not a {kind}; make one "
+                                                    "with model.tokenizer"):
+                model.generate(given, max_new_tokens=2)
 
 
 # -- AirLLM's from_pretrained -----------------------------------------------------------------

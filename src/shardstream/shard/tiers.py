@@ -27,7 +27,9 @@ def parse_tiers(spec: str) -> dict[str, str]:
     tiers = {}
     for item in spec.split(","):
         name, sep, root = item.partition("=")
-        if not sep or not re.fullmatch(r"[a-z0-9_]+", name) or not root or name in tiers:
+        if name in tiers:
+            raise InvalidOption(f"--tiers names tier {name!r} twice; give each tier one folder.")
+        if not sep or not re.fullmatch(r"[a-z0-9_]+", name) or not root:
             raise InvalidOption(f"--tiers entry {item!r} is not valid; write name=folder pairs like hot=/nvme,cold=/hdd.")
         tiers[name] = root
     return tiers
@@ -36,6 +38,9 @@ def parse_tiers(spec: str) -> dict[str, str]:
 def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None:
     """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root."""
     for name, root in tiers.items():
+        if not Path(root).is_absolute() and (root.startswith("~") or ".." in Path(root).parts):
+            raise InvalidOption(f"--tiers folder {root!r} of tier {name!r} is outside the store: a relative folder is "
+                                "inside it; give a folder outside as an absolute path.")
         if not Path(root).is_absolute():
             check_relative(root, "--tiers")
         if index.tiers.get(name, {"root": root})["root"] != root:

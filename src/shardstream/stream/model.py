@@ -467,6 +467,9 @@ class StreamingModel(TransformersHabits, WrapsModel):
         """Refuse a prompt (plus the tokens to generate) longer than the model's context or `max_seq_len`."""
         if input_ids is None:
             return
+        if not isinstance(input_ids, torch.Tensor):
+            raise InvalidOption(f"input_ids must be a tensor of token ids, not a {type(input_ids).__name__}; make "
+                                "one with model.tokenizer(text, return_tensors=\"pt\").input_ids.")
         check_context(self.model.config, input_ids.shape[-1], new_tokens)
         if self.max_seq_len and input_ids.shape[-1] + new_tokens > self.max_seq_len:
             raise InvalidOption(
