@@ -441,6 +441,9 @@ def test_the_cli_samples_with_a_seed_and_stops_at_a_stop_string(tiny, agents, tm
                         probe_bytes=0, generate=PROMPT, max_new_tokens=8, stop=[greedy[4:6]])
     assert greedy.index(greedy[4:6]) > 0
     assert capsys.readouterr().out.split("(sum of stages)\n", 1)[1].rstrip("\n") == greedy[:greedy.index(greedy[4:6])]
+    coordinator_command(model=store.root, token=TOKEN, urls=live, work_dir=tmp_path, probe_bytes=0, generate=PROMPT,
+                        max_new_tokens=8)   # no --context-length: the model's 64 tokens, no warning on every run
+    assert "exceeds the model's" not in capsys.readouterr().err
 
 
 PROMPTS = [PROMPT, "The quick brown fox", "Hi", "In a hole in the ground there lived"]

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 Token = Annotated[str, typer.Option(help="Shared secret; every request carries it as a bearer token.",
                                     envvar=TOKEN.name)]
+# the most tokens of KV cache a plan budgets for without --context-length (a model's own length when shorter)
+DEFAULT_CONTEXT = 2048
 # an agent's --compute-dtype is told with what `auto` picks on the CPUs agents run on
 AGENT_COMPUTE_DTYPE = ("dtype this agent's stages compute in: auto (bfloat16 where the CPU has bf16 instructions, "
                        "else float32 products from the stored bf16 bytes), float32, bfloat16 or float16.")
@@ -185,7 +187,9 @@ class Planning:
     min_prefix: Annotated[int, typer.Option(
         help="Blocks the first stage (the one with the embeddings) holds at least, on whichever agent it lands: "
              "agents early in --pipeline-order may still be left out (0: no minimum).")] = 0
-    context_length: Annotated[int, typer.Option(help="Tokens of KV cache to budget for.")] = 2048
+    context_length: Annotated[Optional[int], typer.Option(
+        help="Tokens of KV cache to budget for (default: the model's max_position_embeddings, at most "
+             f"{DEFAULT_CONTEXT}).", callback=whole_number(1))] = None
     objective: Annotated[str, typer.Option(help="latency (one stream) or throughput (bottleneck stage).")] = "latency"
     probe_bytes: Annotated[int, typer.Option(
         help="Bytes each agent fetches from each other to measure bandwidth (0: assume 1 Gbit/s).")] = 4 * 2**20
@@ -196,12 +200,13 @@ class Planning:
     work_dir: Annotated[Path, typer.Option(
         help="Where plan.json and the stage packages go.")] = Path("shardstream-pipeline")
 
-    def options(self) -> CoordinatorOptions:
-        """The coordinator's options these flags give (imported here: coordinator.py loads transformers)."""
+    def options(self, root: Path) -> CoordinatorOptions:
+        """The coordinator's options these flags give for the store at `root` (imported here: coordinator.py
+        loads transformers)."""
         from .coordinator import CoordinatorOptions
 
         return CoordinatorOptions(
-            self.work_dir, mem_fraction=self.mem_fraction, context_length=self.context_length,
+            self.work_dir, mem_fraction=self.mem_fraction, context_length=_context_length(root, self.context_length),
             min_prefix=self.min_prefix, objective=self.objective,
             pipeline_order=self.pipeline_order.split(",") if self.pipeline_order else None,
             bandwidth_probe_bytes=self.probe_bytes, streaming=not self.no_streaming)
@@ -265,8 +270,7 @@ def coordinator_command(
             + (f" (none answered mDNS within {discover:g} s)." if discover else ".")
         )
     store = open_store(model)
-    _warn_on_context_length(store.root, planning.context_length)
-    coordinator = Coordinator(store, [AgentClient(u, token) for u in found], planning.options())
+    coordinator = Coordinator(store, [AgentClient(u, token) for u in found], planning.options(store.root))
     try:
         serves = serving.serve_port is not None
         if not (package or generate or serves):
@@ -315,14 +319,18 @@ def _print_plan(route) -> None:
     typer.echo(route.plan.table())
 
 
-def _warn_on_context_length(root: Path, context_length: int) -> None:
-    """KV memory is budgeted for --context-length; past the model's own length it buys nothing."""
+def _context_length(root: Path, given: int | None) -> int:
+    """The tokens of KV cache the plan budgets for: --context-length, else the model's own length up to
+    DEFAULT_CONTEXT. A length past the model's buys nothing, and is warned about."""
     from transformers import AutoConfig
 
     limit = getattr(AutoConfig.from_pretrained(root), "max_position_embeddings", None)
-    if limit is not None and context_length > limit:
-        typer.echo(f"warning: --context-length {context_length} exceeds the model's {limit} tokens "
-                   f"(max_position_embeddings); memory is budgeted for {context_length}.", err=True)
+    if given is None:
+        return min(DEFAULT_CONTEXT, limit or DEFAULT_CONTEXT)
+    if limit is not None and given > limit:
+        typer.echo(f"warning: --context-length {given} exceeds the model's {limit} tokens "
+                   f"(max_position_embeddings); memory is budgeted for {given}.", err=True)
+    return given
 
 
 def main() -> None:
