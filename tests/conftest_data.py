@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import warm_python
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the a model data chunk block tracker worker lease epoch train step loss token shard stream".split()
@@ -39,9 +40,9 @@ except ShardstreamError as e:
 
 
 def run_cli(*args: str, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    """`shardstream ...` as a real subprocess."""
-    return subprocess.run([sys.executable, "-c", CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, **popen)
+    """`shardstream ...` as a real process (forked warm: tests/warm_python.py)."""
+    return warm_python.run([sys.executable, "-c", CLI, *map(str, args)], capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO, **popen)
 
 
 def sample_texts(n: int) -> list[str]:

@@ -15,13 +15,14 @@ import pytest
 from store_lock_holder import stop_while_locked
 from test_convert import save_wide_llama
 from tiny_models import save_checkpoint
+import warm_python
 
 CLI = [sys.executable, "-m", "shardstream.cli"]
 EVENTS = ("wrote part", "wrote piece", "processed shard", "released shard")
 
 
 def run_cli(*args: str, cwd: Path, check: bool = False) -> subprocess.CompletedProcess:
-    result = subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    result = warm_python.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -43,8 +44,8 @@ def store_files(root: Path) -> dict[str, bytes]:
 
 def kill_after(events: int, args: list[str], cwd: Path, kinds: tuple[str, ...] = EVENTS) -> int:
     """Start a conversion and SIGKILL it right after its `events`-th logged step of these kinds."""
-    proc = subprocess.Popen([*CLI, *args, "-v", "--no-progress"], cwd=cwd,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = warm_python.popen([*CLI, *args, "-v", "--no-progress"], cwd=cwd,
+                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen = 0
     for line in proc.stderr:
         if any(e in line for e in kinds):

@@ -18,6 +18,7 @@ import pytest
 from http_server import serve_directory, unused_port
 from test_convert import store_tensors
 from tiny_models import save_checkpoint
+import warm_python
 
 from shardstream.convert import ConvertReport, convert
 from shardstream.errors import CorruptShard, InvalidOption, SourceNotFound, SourceUnreachable
@@ -29,8 +30,8 @@ CLI = [sys.executable, "-m", "shardstream.cli"]
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return warm_python.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import typer
 from conftest_data import CLI, REPO, read_jsonl, run_cli, tiny_model, write_txt  # noqa: F401  (fixtures)
+import warm_python
 from typer.testing import CliRunner
 
 from shardstream.data.cli import data_app, train_command
@@ -65,7 +66,7 @@ def test_train_two_workers_end_to_end_then_status(tmp_path, tiny_model):
 def test_sigkilled_worker_chunk_is_trained_again_by_another(tmp_path, tiny_model):
     tracker_path = tmp_path / "tracker.sqlite"
     # 6 chunks of 120 samples (60 steps each), so a kill lands inside a chunk.
-    proc = subprocess.Popen([sys.executable, "-c", CLI, *map(str, _train_args(
+    proc = warm_python.popen([sys.executable, "-c", CLI, *map(str, _train_args(
         tmp_path, tiny_model, 720, "--samples-per-block", "240", "--dataset-chunk-size", "120", "--workers", "2",
         "--lease-seconds", "3", "--tracker", tracker_path))], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victim = killed_chunk = None

@@ -6,12 +6,12 @@ no file or folder appeared.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest_data import tiny_model, write_txt  # noqa: F401  (fixtures)
+import warm_python
 
 from shardstream.data.tracker import open_tracker, sqlite_path
 from shardstream.errors import InvalidOption, TrackerNotFound
@@ -21,7 +21,7 @@ CLI = [sys.executable, "-m", "shardstream.cli"]
 
 def _fails(cwd: Path, *args: str) -> str:
     """Run `shardstream ARGS` in `cwd`; it must fail with one line on stderr and exit 1. Returns that line."""
-    result = subprocess.run([*CLI, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    result = warm_python.run([*CLI, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     return result.stderr

@@ -36,6 +36,7 @@ from shardstream.store import open_store
 from shardstream.serving.protocol import NO_TOKEN, SamplingParams
 from http_server import unused_port
 from tiny_models import llama_store_with_tokenizer
+import warm_python
 
 TOKEN = "test-token"
 KEY = "test-api-key"
@@ -167,12 +168,12 @@ def _running(pid: int) -> bool:
 
 def test_an_agent_on_a_taken_port_says_so(agents):
     port = agents[0].url.rsplit(":", 1)[1]
-    run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
-                          "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=120)
+    run = warm_python.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                           "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert f"the agent cannot listen on 127.0.0.1:{port} (Address already in use); stop what uses that port or pick another --port." in run.stderr
-    run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
-                          "--host", "no-such-host.invalid", "--port", "0"], capture_output=True, text=True, timeout=120)
+    run = warm_python.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                           "--host", "no-such-host.invalid", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr   # it advised another --port
     assert "the agent cannot listen on no-such-host.invalid:0 (" in run.stderr
     assert "); give --host an address of this machine (127.0.0.1, 0.0.0.0 for every interface, or one of its own)." in run.stderr
@@ -180,9 +181,9 @@ def test_an_agent_on_a_taken_port_says_so(agents):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         data_port = taken.getsockname()[1]
-        run = subprocess.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
-                              "--host", "127.0.0.1", "--port", "0", "--data-port", str(data_port)],
-                             capture_output=True, text=True, timeout=120)
+        run = warm_python.run([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", "z", "--token", TOKEN,
+                               "--host", "127.0.0.1", "--port", "0", "--data-port", str(data_port)],
+                              capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert f"the agent cannot bind its data port {data_port}" in run.stderr and "pick another --data-port" in run.stderr
 
@@ -298,9 +299,9 @@ def _restart(agent: LocalAgent, folder) -> LocalAgent:
     is any free one, as when the fixture started it (the coordinator profiles a re-admitted agent again):
     the default, the HTTP port + 1, was once in use already (a fresh clone's `make test`), and the restart failed."""
     ready = folder / f"{agent.name}.ready.json"
-    process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", agent.name,
-                                "--token", TOKEN, "--host", "127.0.0.1", "--port", agent.url.rsplit(":", 1)[1],
-                                "--data-port", "0", "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
+    process = warm_python.popen([sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", agent.name,
+                                 "--token", TOKEN, "--host", "127.0.0.1", "--port", agent.url.rsplit(":", 1)[1],
+                                 "--data-port", "0", "--ready-file", str(ready), "--cache-dir", str(folder / agent.name)])
     client, deadline = AgentClient(agent.url, TOKEN), time.monotonic() + 180   # a loaded 2-core machine
     while not ready.exists() or not client.alive(timeout=1.0):
         assert process.poll() is None and time.monotonic() < deadline, "the restarted agent did not come up"
@@ -403,11 +404,11 @@ def test_serve_port_0_picks_a_free_port_and_prints_it(tiny, agents, tmp_path):
     """Also: SHARDSTREAM_API_KEY sets the API's key, which the agents' token then does not replace."""
     store, reference, tokenizer = tiny
     live = ",".join(a.url for a in agents if a.process.poll() is None)
-    process = subprocess.Popen([sys.executable, "-m", "shardstream.pipeline.cli", "coordinator", "--model", str(store.root),
-                                "--token", TOKEN, "--urls", live, "--context-length", "64", "--probe-bytes", "0",
-                                "--work-dir", str(tmp_path), "--serve-port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "SHARDSTREAM_API_KEY": KEY})
+    process = warm_python.popen([sys.executable, "-m", "shardstream.pipeline.cli", "coordinator", "--model", str(store.root),
+                                 "--token", TOKEN, "--urls", live, "--context-length", "64", "--probe-bytes", "0",
+                                 "--work-dir", str(tmp_path), "--serve-port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "SHARDSTREAM_API_KEY": KEY})
     try:
         printed = ""
         while "serving" not in printed:

@@ -23,6 +23,7 @@ import pytest
 
 from shardstream.pipeline.local import LocalAgent, spawn_agents
 from tiny_models import llama_store_with_tokenizer
+import warm_python
 
 TOKEN = "test-token"
 PROMPT = "Once upon a time"
@@ -34,7 +35,7 @@ class Running:
     """A CLI process whose output (stdout and stderr together) is read as it comes."""
 
     def __init__(self, command: list[str]):
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        self.process = warm_python.popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
         self.output = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -115,9 +116,9 @@ def test_a_second_coordinator_is_refused_unless_it_takes_over(tiny, agents, coor
     _, first = coordinators(store, urls, tmp_path / "first")
     assert _text(first) == expected
 
-    refused = subprocess.run([*CLI, "coordinator", "--model", str(store), "--token", TOKEN, "--urls", ",".join(urls),
-                              "--context-length", "64", "--probe-bytes", "0", "--work-dir", str(tmp_path / "second"),
-                              "--serve-port", "0"], capture_output=True, text=True, timeout=300, env=ENV)
+    refused = warm_python.run([*CLI, "coordinator", "--model", str(store), "--token", TOKEN, "--urls", ",".join(urls),
+                               "--context-length", "64", "--probe-bytes", "0", "--work-dir", str(tmp_path / "second"),
+                               "--serve-port", "0"], capture_output=True, text=True, timeout=300, env=ENV)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     assert re.fullmatch(rf"error: agent a: it serves the coordinator at {first} \(since \d\d:\d\d:\d\d\); stop that "
                         r"coordinator, or start this one with --take-over to take the agent from it\.",
@@ -163,11 +164,11 @@ def _start_again(agent: LocalAgent, folder: Path, data_port: str) -> LocalAgent:
     ports = json.loads((agent.log.parent / f"{agent.name}.ready.json").read_text())
     agent.kill()
     ready = folder / f"{agent.name}.{data_port}.json"
-    process = subprocess.Popen([*CLI, "agent", "--name", agent.name, "--token", TOKEN, "--port", str(ports["port"]),
-                                "--data-port", str(ports["data_port"]) if data_port == "same" else "0",
-                                "--ready-file", str(ready),
-                                "--cache-dir", str(folder / agent.name)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = warm_python.popen([*CLI, "agent", "--name", agent.name, "--token", TOKEN, "--port", str(ports["port"]),
+                                 "--data-port", str(ports["data_port"]) if data_port == "same" else "0",
+                                 "--ready-file", str(ready),
+                                 "--cache-dir", str(folder / agent.name)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while not ready.exists() or not _answers(agent.url + "/v1/health"):
         assert process.poll() is None and time.monotonic() < deadline, "the agent did not start again"
@@ -216,14 +217,14 @@ def test_an_agent_joins_a_running_coordinator(tiny, agents, coordinators, tmp_pa
         assert httpx.get(url + "/health").json()["agents"] == ["a", "late"]
         assert _text(url) == expected
 
-        twin = subprocess.run([*CLI, "agent", "--name", "a", "--token", TOKEN, "--port", "0", "--cache-dir",
-                               str(tmp_path / "twin"), "--join", url], capture_output=True, text=True, timeout=300)
+        twin = warm_python.run([*CLI, "agent", "--name", "a", "--token", TOKEN, "--port", "0", "--cache-dir",
+                                str(tmp_path / "twin"), "--join", url], capture_output=True, text=True, timeout=300)
         assert twin.returncode == 1 and "Traceback" not in twin.stderr, twin.stderr
         assert f"an agent named 'a' is in this pipeline already ({agents[0].url}); start the one at" \
                in twin.stderr.strip().splitlines()[-1]
-        lost = subprocess.run([*CLI, "agent", "--name", "lost", "--token", TOKEN, "--port", "0", "--cache-dir",
-                               str(tmp_path / "lost"), "--join", agents[0].url], capture_output=True, text=True,
-                              timeout=300)   # an agent, not a coordinator: its 404 body was shown as it was
+        lost = warm_python.run([*CLI, "agent", "--name", "lost", "--token", TOKEN, "--port", "0", "--cache-dir",
+                                str(tmp_path / "lost"), "--join", agents[0].url], capture_output=True, text=True,
+                               timeout=300)   # an agent, not a coordinator: its 404 body was shown as it was
         assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr
         assert lost.stderr.strip().splitlines()[-1] == (
             f"error: {agents[0].url} answers no join (HTTP 404): it is not a coordinator's --serve-port; give --join "
@@ -239,9 +240,9 @@ def test_a_serve_port_in_use_is_one_line(tiny, agents, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = subprocess.run([*CLI, "coordinator", "--model", str(store), "--token", TOKEN, "--urls", agents[0].url,
-                              "--context-length", "64", "--work-dir", str(tmp_path), "--serve-port", str(port)],
-                             capture_output=True, text=True, timeout=300, env=ENV)
+        run = warm_python.run([*CLI, "coordinator", "--model", str(store), "--token", TOKEN, "--urls", agents[0].url,
+                               "--context-length", "64", "--work-dir", str(tmp_path), "--serve-port", str(port)],
+                              capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
         f"error: the coordinator cannot listen on 127.0.0.1:{port} (Address already in use); stop what uses that "
@@ -251,7 +252,7 @@ def test_a_serve_port_in_use_is_one_line(tiny, agents, tmp_path):
 def test_max_memory_bounds_the_whole_agent_process(tmp_path):
     """`agent --max-memory` is what the process may use in all, as in a container that
     size: it offers the limit less what it holds already; below that it warns and offers nothing."""
-    help_text = subprocess.run([*CLI, "agent", "--help"], capture_output=True, text=True, timeout=120, env=ENV).stdout
+    help_text = warm_python.run([*CLI, "agent", "--help"], capture_output=True, text=True, timeout=120, env=ENV).stdout
     assert "Memory this agent process may use in all" in " ".join(help_text.replace("│", " ").split())   # rich's table
     for limit, label in [(1500, "roomy"), (100, "tight")]:
         ready = tmp_path / f"{label}.json"

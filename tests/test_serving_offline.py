@@ -15,6 +15,7 @@ from shardstream.errors import InvalidOption, OutputMismatch
 from shardstream.front.generate_cli import generate_command
 from shardstream.serving.offline import Prompt, length_order, read_prompts, resume
 from tiny_models import llama_store_with_tokenizer
+import warm_python
 
 PROMPTS = ["Hello, world", "abc", "The quick brown fox jumps", "x", "Streaming is fun", "0123456789 0123"]
 
@@ -27,8 +28,8 @@ def tiny(tmp_path_factory):
 def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Popen:
     command = [sys.executable, "-m", "shardstream.cli", "generate", *args, "--no-progress"]
     if kwargs.pop("background", False):
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+        return warm_python.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return warm_python.run(command, capture_output=True, text=True, timeout=300)
 
 
 def _greedy_alone(reference, tokenizer, prompt: str, new_tokens: int) -> str:

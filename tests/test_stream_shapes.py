@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from shardstream.stream.meta import build_meta_model
 from shardstream.tp.group import fingerprint
 from shardstream.tp.rankstore import rank_folder, rank_layout
 from tiny_models import char_tokenizer, save_checkpoint
+import warm_python
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,8 @@ def test_a_rank_share_folder_is_refused_as_a_store(store, tmp_path):
     opened = open_store(store)
     layout = rank_layout(opened, build_meta_model(opened, None), 0, 2)
     share, _ = rank_folder(opened, layout, 0, 2, fingerprint(opened), tmp_path / "tp-cache")
-    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "generate", str(share.root), "--prompt", "Hi",
-                             "--max-new-tokens", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
+    result = warm_python.run([sys.executable, "-m", "shardstream.cli", "generate", str(share.root), "--prompt", "Hi",
+                              "--max-new-tokens", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert (f"{share.root} is rank 0 of 2's share of the store at {store}, written by a tensor-parallel run (it holds "
             f"1/2 of each split weight); give {store} instead") in result.stderr

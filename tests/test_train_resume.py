@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest_data import REPO, postgres_server, postgres_url, read_jsonl, tiny_model, write_txt  # noqa: F401  (fixtures)
+import warm_python
 
 from shardstream.data.config import TrainConfig
 from shardstream.data.launch import train
@@ -35,8 +36,8 @@ def _args(tmp_path: Path, model: Path, output: str, log: str, *extra: str, sampl
 
 
 def _shardstream(tmp_path: Path, model: Path, output: str, log: str, *extra: str, **shape: int) -> subprocess.CompletedProcess:
-    result = subprocess.run(_args(tmp_path, model, output, log, *extra, **shape), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = warm_python.run(_args(tmp_path, model, output, log, *extra, **shape), cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -78,8 +79,8 @@ def test_rerun_continues_the_training_and_an_exhausted_epoch_changes_nothing(tmp
 def _kill_after_steps(tmp_path: Path, model: Path, steps: int, *extra: str) -> None:
     """Start `shardstream train` into ck/ (400 samples a block), SIGKILL it once its log shows `steps` steps."""
     log = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(_args(tmp_path, model, "ck", log.name, "--lease-seconds", "5", *extra, samples_per_block=400),
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = warm_python.popen(_args(tmp_path, model, "ck", log.name, "--lease-seconds", "5", *extra, samples_per_block=400),
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if log.exists() and len(_losses(log)) >= steps:

@@ -1,0 +1,343 @@
+"""`python -m shardstream... ` or `python -c CODE ...`, run to its end in a process forked from a warm interpreter.
+
+A fresh interpreter spends seconds importing torch and transformers before a command parses its first option,
+and the suite runs a few hundred commands. `run()` takes subprocess.run's arguments for such a command and runs
+it in a child forked from one server per test process, which has imported torch and transformers once. The
+child is a real process: its own pid, working folder, environment, standard streams, exit status, threads and
+atexit handlers, and a SIGKILL on timeout. It starts where a fresh interpreter stands after those imports.
+
+What is read while importing is the server's. So a command whose environment differs from the server's in
+anything but SHARDSTREAM_* switches (read at each use) and pytest's name of the running test runs in a fresh
+interpreter, as does any other command, and any call with an option `run()` does not take. Tests of what a
+command imports as it starts, and of processes signalled, capped or timed while they run, use subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import io
+import json
+import locale
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+
+# shardstream's package (it sets OpenMP's wait policy before torch loads), then third-party modules only:
+# shardstream's modules build tables with torch as they are imported, and the OpenMP threads that starts do not
+# survive a fork (the child would wait at their barrier for ever).
+PRELOAD = ("shardstream", "torch", "safetensors.torch", "transformers", "transformers.modeling_utils", "transformers.generation",
+           "transformers.conversion_mapping", "transformers.models.llama.modeling_llama")
+_SWITCH_PREFIX = "SHARDSTREAM_"
+_READ_LATER = {"PYTEST_CURRENT_TEST",   # set by pytest for each test; nothing reads it while importing
+               "PYTHONUNBUFFERED",     # read as the standard streams are made, which the child does itself
+               "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}   # set by torch in the test process: a pointer of its own
+_POPEN_TAKEN = {"stdin", "stdout", "stderr", "text", "cwd", "env", "start_new_session"}
+_PR_SET_PDEATHSIG = 1
+_HEADER = struct.Struct("!I")
+
+
+class _Server:
+    def __init__(self) -> None:
+        folder = tempfile.mkdtemp(prefix="warm-python-")
+        self.path = os.path.join(folder, "socket")
+        self.environ = dict(os.environ)
+        self.log = open(os.path.join(folder, "log"), "w+")
+        self.process = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True)
+        if not any(line.strip() == "ready" for line in self.process.stdout):
+            self.process.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"the warm interpreter did not start: {self.log.read()[-2000:]}")
+        atexit.register(self.process.kill)
+
+    def serves(self, environ: dict[str, str]) -> bool:
+        keys = (set(environ) | set(self.environ))
+        return all(environ.get(k) == self.environ.get(k) for k in keys if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER)
+
+
+_server: _Server | None = None
+_server_pid = 0
+
+
+def _warm_server() -> _Server:
+    global _server, _server_pid
+    if _server is None or _server_pid != os.getpid():
+        _server, _server_pid = _Server(), os.getpid()
+    return _server
+
+
+def _environment(env) -> dict[str, str]:
+    return dict(os.environ) if env is None else {str(k): str(v) for k, v in env.items()}
+
+
+def _warm(args: list[str], options: dict, taken: set[str], environ: dict[str, str]) -> bool:
+    """Whether the command can run forked from the warm server and be the same as run afresh."""
+    return (len(args) >= 3 and args[0] == sys.executable and args[1] in ("-m", "-c") and not set(options) - taken
+            and (args[1] == "-c" or args[2].startswith("shardstream")) and _warm_server().serves(environ))
+
+
+def popen(args, **options) -> subprocess.Popen | WarmProcess:
+    """subprocess.Popen(args, **options), forked from the warm server where that is the same thing."""
+    args = [str(a) for a in args]
+    environ = _environment(options.get("env"))
+    if not _warm(args, options, _POPEN_TAKEN, environ):
+        return subprocess.Popen(args, **options)
+    return WarmProcess(args, environ, **options)
+
+
+def run(args, *, input=None, capture_output: bool = False, timeout: float | None = None, check: bool = False,
+        **options) -> subprocess.CompletedProcess:
+    """subprocess.run(args, ...), forked from the warm server where that is the same thing."""
+    args = [str(a) for a in args]
+    if not _warm(args, options, _POPEN_TAKEN, _environment(options.get("env"))):
+        return subprocess.run(args, input=input, capture_output=capture_output, timeout=timeout, check=check,
+                              **options)
+    if capture_output:
+        options["stdout"] = options["stderr"] = subprocess.PIPE
+    if input is not None:
+        options["stdin"] = subprocess.PIPE
+    with popen(args, **options) as process:
+        try:
+            out, err = process.communicate(input, timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    done = subprocess.CompletedProcess(args, process.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+class WarmProcess:
+    """What the tests use of subprocess.Popen, for a command forked from the warm server: pid, pipes, poll,
+    wait, signals, communicate."""
+
+    def __init__(self, args: list[str], environ: dict[str, str], *, stdin=None, stdout=None, stderr=None,
+                 text: bool = False, cwd=None, env=None, start_new_session: bool = False) -> None:
+        self.args, self.returncode = args, None
+        self.stdin = self.stdout = self.stderr = None
+        encoding = locale.getpreferredencoding(False) if text else None
+        null = os.open(os.devnull, os.O_RDWR)
+        given: list[int] = []   # this process's ends of the pipes: closed once the child has its own
+
+        def end(option, inherited: int, reading: bool) -> tuple[int, object]:
+            if option is subprocess.PIPE:
+                theirs, ours = os.pipe() if reading else reversed(os.pipe())
+                given.append(theirs)
+                mode = ("w" if reading else "r") + ("" if text else "b")
+                return theirs, open(ours, mode, encoding=encoding)
+            if option is subprocess.DEVNULL:
+                return null, None
+            if option is None:
+                return inherited, None
+            return (option if isinstance(option, int) else option.fileno()), None
+
+        child_in, self.stdin = end(stdin, null, True)   # not the test process's own stdin
+        child_out, self.stdout = end(stdout, 1, False)
+        child_err, self.stderr = (child_out, None) if stderr is subprocess.STDOUT else end(stderr, 2, False)
+        request = json.dumps({"args": args[1:], "cwd": str(cwd or os.getcwd()), "env": environ,
+                              "new_session": start_new_session}).encode()
+        self._conn = socket.socket(socket.AF_UNIX)
+        self._conn.connect(_warm_server().path)
+        socket.send_fds(self._conn, [_HEADER.pack(len(request))], [child_in, child_out, child_err])
+        self._conn.sendall(request)
+        for fd in (*given, null):
+            os.close(fd)
+        self._answers = b""
+        self.pid = int(self._answer(None))
+
+    def _answer(self, timeout: float | None) -> str | None:
+        """The server's next line, or None if none came within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._answers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            self._answers += self._conn.recv(64)
+        line, self._answers = self._answers.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._status(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            line = self._answer(timeout)
+            if line is not None:
+                self.returncode = int(line)
+                self._conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple:
+        read: dict[str, object] = {}
+
+        def drain(name: str, stream) -> None:
+            read[name] = stream.read()
+            stream.close()
+
+        readers = [threading.Thread(target=drain, args=(name, stream), daemon=True)
+                   for name, stream in (("out", self.stdout), ("err", self.stderr)) if stream is not None]
+        for reader in readers:
+            reader.start()
+        if self.stdin is not None:
+            try:
+                if input:
+                    self.stdin.write(input)
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(reader.is_alive() for reader in readers):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return read.get("out"), read.get("err")
+
+    def __enter__(self) -> WarmProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (self.stdout, self.stderr, self.stdin):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+# ---- the server side: python warm_python.py SOCKET ----
+
+def _serve(path: str) -> None:
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)   # gone with the test process that started it
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as shardstream.cli.main sets it before torch allocates
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # the waiters below are reaped by the kernel
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _wait_for_command(conn)
+            os._exit(0)
+        conn.close()
+
+
+def _wait_for_command(conn: socket.socket) -> None:
+    """Fork the command's process, tell the client its pid, then its exit status."""
+    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+    size, = _HEADER.unpack(header)
+    request = b""
+    while len(request) < size:
+        request += conn.recv(size - len(request))
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _run_command(json.loads(request), fds)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(f"{pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _run_command(request: dict, fds: list[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["new_session"]:
+        os.setsid()
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = sys.__stdout__ = _output(1, line_buffering=os.isatty(1))
+    sys.stderr = sys.__stderr__ = _output(2, errors="backslashreplace", line_buffering=True)
+    sys.path[0] = "" if request["args"][0] == "-c" else os.getcwd()
+    code = 0
+    try:
+        if request["args"][0] == "-m":
+            sys.argv = request["args"][1:]
+            runpy.run_module(request["args"][1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *request["args"][2:]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(request["args"][1], "<string>", "exec"), main.__dict__)
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _finish(code)
+
+
+def _output(fd: int, **options) -> io.TextIOWrapper:
+    """A standard output stream as the interpreter makes it: unbuffered bytes under PYTHONUNBUFFERED."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    if os.environ.get("PYTHONUNBUFFERED"):
+        return io.TextIOWrapper(raw, write_through=True, **options)
+    return io.TextIOWrapper(io.BufferedWriter(raw), **options)
+
+
+def _exit_code(value) -> int:
+    if value is None or isinstance(value, int):
+        return value or 0
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """What an interpreter does as it exits: wait for its threads, run atexit, flush; then the exit status."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
