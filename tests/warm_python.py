@@ -36,8 +36,8 @@ import types
 # shardstream's package (it sets OpenMP's wait policy before torch loads), then third-party modules only:
 # shardstream's modules build tables with torch as they are imported, and the OpenMP threads that starts do not
 # survive a fork (the child would wait at their barrier for ever).
-PRELOAD = ("shardstream", "torch", "safetensors.torch", "transformers", "transformers.modeling_utils", "transformers.generation",
-           "transformers.conversion_mapping", "transformers.models.llama.modeling_llama")
+PRELOAD = ("shardstream", "torch", "safetensors.torch", "transformers", "transformers.modeling_utils",
+           "transformers.generation", "transformers.conversion_mapping", "transformers.models.llama.modeling_llama")
 _SWITCH_PREFIX = "SHARDSTREAM_"
 _READ_LATER = {"PYTEST_CURRENT_TEST",   # set by pytest for each test; nothing reads it while importing
                "PYTHONUNBUFFERED",     # read as the standard streams are made, which the child does itself
@@ -63,7 +63,8 @@ class _Server:
 
     def serves(self, environ: dict[str, str]) -> bool:
         keys = (set(environ) | set(self.environ))
-        return all(environ.get(k) == self.environ.get(k) for k in keys if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER)
+        return all(environ.get(k) == self.environ.get(k) for k in keys
+                   if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER)
 
 
 _server: _Server | None = None
@@ -252,8 +253,10 @@ def _serve(path: str) -> None:
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _wait_for_command(conn)
-            os._exit(0)
+            try:
+                _wait_for_command(conn)
+            finally:
+                os._exit(0)   # never back into this loop, whatever happened
         conn.close()
 
 
