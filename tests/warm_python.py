@@ -22,6 +22,7 @@ import locale
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -49,17 +50,23 @@ _HEADER = struct.Struct("!I")
 
 class _Server:
     def __init__(self) -> None:
-        folder = tempfile.mkdtemp(prefix="warm-python-")
-        self.path = os.path.join(folder, "socket")
+        self.folder = tempfile.mkdtemp(prefix="warm-python-")
+        self.path = os.path.join(self.folder, "socket")
         self.environ = dict(os.environ)
-        self.log = open(os.path.join(folder, "log"), "w+")
+        self.log = open(os.path.join(self.folder, "log"), "w+")
         self.process = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=self.log, text=True)
         if not any(line.strip() == "ready" for line in self.process.stdout):
             self.process.wait()
             self.log.seek(0)
             raise RuntimeError(f"the warm interpreter did not start: {self.log.read()[-2000:]}")
-        atexit.register(self.process.kill)
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def serves(self, environ: dict[str, str]) -> bool:
         keys = (set(environ) | set(self.environ))
