@@ -43,13 +43,14 @@ _SWITCH_PREFIX = "SHARDSTREAM_"
 _READ_LATER = {"PYTEST_CURRENT_TEST",   # set by pytest for each test; nothing reads it while importing
                "PYTHONUNBUFFERED",     # read as the standard streams are made, which the child does itself
                "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}   # set by torch in the test process: a pointer of its own
-_POPEN_TAKEN = {"stdin", "stdout", "stderr", "text", "cwd", "env", "start_new_session"}
+_TAKEN = {"stdin", "stdout", "stderr", "text", "cwd", "env", "start_new_session"}
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
 
 
 class _Server:
     def __init__(self) -> None:
+        self.owner = os.getpid()   # the test process it serves (a fork of that process starts its own)
         self.folder = tempfile.mkdtemp(prefix="warm-python-")
         self.path = os.path.join(self.folder, "socket")
         self.environ = dict(os.environ)
@@ -75,13 +76,12 @@ class _Server:
 
 
 _server: _Server | None = None
-_server_pid = 0
 
 
 def _warm_server() -> _Server:
-    global _server, _server_pid
-    if _server is None or _server_pid != os.getpid():
-        _server, _server_pid = _Server(), os.getpid()
+    global _server
+    if _server is None or _server.owner != os.getpid():
+        _server = _Server()
     return _server
 
 
@@ -89,9 +89,9 @@ def _environment(env) -> dict[str, str]:
     return dict(os.environ) if env is None else {str(k): str(v) for k, v in env.items()}
 
 
-def _warm(args: list[str], options: dict, taken: set[str], environ: dict[str, str]) -> bool:
+def _warm(args: list[str], options: dict, environ: dict[str, str]) -> bool:
     """Whether the command can run forked from the warm server and be the same as run afresh."""
-    return (len(args) >= 3 and args[0] == sys.executable and args[1] in ("-m", "-c") and not set(options) - taken
+    return (len(args) >= 3 and args[0] == sys.executable and args[1] in ("-m", "-c") and not set(options) - _TAKEN
             and (args[1] == "-c" or args[2].startswith("shardstream")) and _warm_server().serves(environ))
 
 
@@ -99,7 +99,7 @@ def popen(args, **options) -> subprocess.Popen | WarmProcess:
     """subprocess.Popen(args, **options), forked from the warm server where that is the same thing."""
     args = [str(a) for a in args]
     environ = _environment(options.get("env"))
-    if not _warm(args, options, _POPEN_TAKEN, environ):
+    if not _warm(args, options, environ):
         return subprocess.Popen(args, **options)
     return WarmProcess(args, environ, **options)
 
@@ -108,14 +108,15 @@ def run(args, *, input=None, capture_output: bool = False, timeout: float | None
         **options) -> subprocess.CompletedProcess:
     """subprocess.run(args, ...), forked from the warm server where that is the same thing."""
     args = [str(a) for a in args]
-    if not _warm(args, options, _POPEN_TAKEN, _environment(options.get("env"))):
+    environ = _environment(options.get("env"))
+    if not _warm(args, options, environ):
         return subprocess.run(args, input=input, capture_output=capture_output, timeout=timeout, check=check,
                               **options)
     if capture_output:
         options["stdout"] = options["stderr"] = subprocess.PIPE
     if input is not None:
         options["stdin"] = subprocess.PIPE
-    with popen(args, **options) as process:
+    with WarmProcess(args, environ, **options) as process:
         try:
             out, err = process.communicate(input, timeout)
         except subprocess.TimeoutExpired:
