@@ -42,6 +42,8 @@ def test_for_batch_leaves_room_for_the_kv_caches_and_keeps_what_was_given(monkey
     assert (given.max_resident_memory, given.max_expert_memory, given.piece_bytes) == (0, "auto", 1 << 20)
     with pytest.raises(Exception):
         batch.piece_bytes = 1   # a value: frozen
+    with pytest.raises(InvalidOption, match="batch_size must be at least 1, not 0"):
+        one.for_batch(0, "cpu")
 
 
 def test_from_pretrained_takes_the_value_or_the_options_one_by_one_not_both(tmp_path):

@@ -20,8 +20,8 @@ from shardstream.convert import convert
 from http_server import serve_directory
 from shardstream.errors import InvalidOption, StoreCorrupt
 from shardstream.pipeline.package import package_stage
-from shardstream.shard import (RELOCATION_STEPS, load_expert, load_index, parse_expert_key, parse_tiers,
-                               place_experts, relocate, relocate_part)
+from shardstream.shard import (RELOCATION_STEPS, define_tiers, load_expert, load_index, parse_expert_key,
+                               parse_tiers, place_experts, relocate, relocate_part)
 from shardstream.store import verify_sharding, verify_store
 from shardstream.store.direct_io import ALIGN, aligned
 from shardstream.store.manifest import sealed
@@ -221,6 +221,15 @@ def test_placing_again_rewrites_no_container_that_holds_what_it_should(placed, t
     assert after == before
     assert (load_index(store).experts["1:2"].hint, load_index(store).experts["0:3"].hint) == (0, 2)
     assert verify_sharding(store)[1] == []
+
+
+def test_a_tier_added_later_ranks_after_the_tiers_it_joins(placed, tmp_path):
+    store, tiers = placed
+    index = load_index(store, for_update=True)
+    define_tiers(store, index, {"archive": str(tmp_path / "tape")})
+    define_tiers(store, index, {"hot": tiers["hot"], "spare": str(tmp_path / "spare")})   # hot keeps its rank
+    assert {name: tier["hint"] for name, tier in index.tiers.items()} == {
+        "hot": 0, "warm": 1, "cold": 2, "archive": 3, "spare": 4}
 
 
 def assert_same_parts(store, original) -> None:

@@ -36,7 +36,8 @@ def parse_tiers(spec: str) -> dict[str, str]:
 
 
 def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None:
-    """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root."""
+    """Add `tiers` (name -> root, fastest first) to `index`; a known tier must keep its root. A listing of
+    every known tier orders them all; one that leaves some out puts its new tiers after them."""
     for name, root in tiers.items():
         if not Path(root).is_absolute() and (root.startswith("~") or ".." in Path(root).parts):
             raise InvalidOption(f"--tiers folder {root!r} of tier {name!r} is outside the store: a relative folder is "
@@ -48,7 +49,11 @@ def define_tiers(store: Store, index: ShardIndex, tiers: dict[str, str]) -> None
                 f"tier {name!r} already has root {index.tiers[name]['root']} in {store.root}/{INDEX_NAME}; "
                 "keep that root or relocate its experts and parts first."
             )
-    index.tiers.update({name: {"root": root, "hint": i} for i, (name, root) in enumerate(tiers.items())})
+    if set(index.tiers) <= set(tiers):   # every tier listed: the listing's order is theirs
+        index.tiers.update({name: {"root": root, "hint": i} for i, (name, root) in enumerate(tiers.items())})
+        return
+    for name, root in tiers.items():   # a tier added later is slower than those it joins
+        index.tiers.setdefault(name, {"root": root, "hint": 1 + max(tier["hint"] for tier in index.tiers.values())})
 
 
 def check_tier(store: Store, index: ShardIndex, tier: str) -> None:

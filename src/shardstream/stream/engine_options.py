@@ -63,6 +63,8 @@ class EngineOptions:
         """These options for a model that runs `batch_size` sequences at once: for more than one, `auto`
         residency, the experts held on demand and the pieces leave memory to the KV caches (residency.py,
         pieces.py); one sequence keeps them as they are."""
+        if batch_size < 1:
+            raise InvalidOption(f"batch_size must be at least 1, not {batch_size}.")
         if batch_size == 1:
             return self
         share = batch_auto_budget(device)
