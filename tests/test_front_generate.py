@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from shardstream.errors import InvalidOption
 from shardstream.front.generate_cli import generate_command
@@ -135,8 +136,8 @@ def test_a_store_without_tokenizer_files_is_one_line_and_exit_1(tmp_path):
     save_checkpoint("qwen2", tmp_path / "ckpt")
     convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
     shardstream = str(Path(sys.executable).with_name("shardstream"))
-    done = subprocess.run([shardstream, "generate", str(tmp_path / "store"), "--prompt", "hi", "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+    done = warm_python.run([shardstream, "generate", str(tmp_path / "store"), "--prompt", "hi", "--no-progress"],
+                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: the store at {tmp_path / 'store'} has no usable tokenizer files (none of tokenizer.json, "

@@ -376,9 +376,10 @@ def test_an_agent_reports_its_cgroup_limit_and_max_memory(tmp_path):
     reports = {}
     for label, prefix, extra in [("cgroup", [str(memcap), "700M", "--"], []), ("flag", [], ["--max-memory", "700MiB"])]:
         ready = tmp_path / f"{label}.json"
-        process = subprocess.Popen([*prefix, sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", label,
-                                    "--token", TOKEN, "--port", "0", "--ready-file", str(ready),
-                                    "--cache-dir", str(tmp_path / label), *extra], stdout=subprocess.PIPE, text=True)
+        start = subprocess.Popen if prefix else warm_python.popen   # memcap runs the interpreter it is given
+        process = start([*prefix, sys.executable, "-m", "shardstream.pipeline.cli", "agent", "--name", label,
+                         "--token", TOKEN, "--port", "0", "--ready-file", str(ready),
+                         "--cache-dir", str(tmp_path / label), *extra], stdout=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120
             while not ready.exists():

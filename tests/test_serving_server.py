@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import warm_python
 import torch
 
 from shardstream.serving.stops import StopFilter
@@ -42,9 +43,10 @@ class Served:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.process = subprocess.Popen([SHARDSTREAM, "serve", str(store), "--port", str(self.port),
-                                         "--max-resident-memory", "0", "--no-progress", *options],
-                                        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        with log.open("w") as written:
+            self.process = warm_python.popen([SHARDSTREAM, "serve", str(store), "--port", str(self.port),
+                                              "--max-resident-memory", "0", "--no-progress", *options],
+                                             stdout=subprocess.DEVNULL, stderr=written)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.process.poll() is None, log.read_text()
@@ -352,8 +354,8 @@ def test_request_lines_and_a_port_in_use(server, tiny):
     assert f"listening on http://127.0.0.1:{served.port}" in log
     assert f"POST /v1/completions 200 {len(PROMPT) + 3} tokens" in log
     store = tiny[0]
-    taken = subprocess.run([SHARDSTREAM, "serve", str(store), "--port", str(served.port)], capture_output=True,
-                           text=True, timeout=60)
+    taken = warm_python.run([SHARDSTREAM, "serve", str(store), "--port", str(served.port)], capture_output=True,
+                            text=True, timeout=60)
     assert taken.returncode == 1 and "pick another --port" in taken.stderr + taken.stdout
     assert "Traceback" not in taken.stderr
 
@@ -379,8 +381,8 @@ def test_a_chat_template_that_is_no_template_is_refused_before_serve_starts(tiny
 
     broken = tmp_path / "broken.jinja"
     broken.write_text("{{ bos_token }}\n{% for m in messages %")
-    refused = subprocess.run([SHARDSTREAM, "serve", str(tiny[0]), "--port", "0", "--chat-template", str(broken)],
-                             capture_output=True, text=True, timeout=60)
+    refused = warm_python.run([SHARDSTREAM, "serve", str(tiny[0]), "--port", "0", "--chat-template", str(broken)],
+                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert f"--chat-template {broken} line 2: unexpected 'end of template'; fix the Jinja template." in refused.stderr
     tokenizer = AutoTokenizer.from_pretrained(tiny[0])
@@ -564,7 +566,7 @@ def test_health_reports_what_experts_on_demand_read_and_what_their_cache_saved(t
     char_tokenizer().save_pretrained(tmp_path / "ckpt")
     store = tmp_path / "store"
     convert(tmp_path / "ckpt", store, progress=False)
-    subprocess.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
+    warm_python.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
     served = Served(store, tmp_path / "serve.log", "--experts", "on-demand")
     try:
         started = httpx.get(served.url + "/health").json()["experts"]   # after the engine's warm-up pass

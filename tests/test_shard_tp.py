@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 
 import shardstream
@@ -202,8 +203,8 @@ def test_a_family_ranks_do_not_run_is_refused_by_name(family, tmp_path_factory, 
     shutil.copytree(tiny_store(family, tmp_path_factory), root)
     before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "shardstream", "shard", str(root), "--tp", "2"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = warm_python.run([sys.executable, "-m", "shardstream", "shard", str(root), "--tp", "2"],
+                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 1
     assert done.stderr == (
         "error: tensor parallelism supports model_type llama, mistral, qwen2, qwen3, gemma, phi3, mixtral, qwen2_moe, "

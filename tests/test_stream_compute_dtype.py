@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import warm_python
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -134,8 +135,8 @@ def test_the_option_overrides_auto_and_a_wrong_value_is_one_sentence(stores):
 
 def _cli(*args: str, **environ: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]), **environ}
-    return subprocess.run([sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return warm_python.run([sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=300,
+                           env=env)
 
 
 def test_the_cli_takes_compute_dtype_and_says_what_it_chose(stores):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -121,7 +122,7 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path, 
     plain = capsys.readouterr().out
     with pytest.raises(ShardstreamError, match="run `shardstream shard"):
         generate_command(str(store), prompt="hello", no_progress=True, experts="on-demand")
-    subprocess.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
+    warm_python.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
     generate_command(str(store), prompt="hello", max_new_tokens=4, no_progress=True, experts="on-demand")
     assert capsys.readouterr().out == plain
 
@@ -147,9 +148,10 @@ def test_experts_on_demand_run_a_block_whose_experts_do_not_fit_the_cap(tmp_path
     convert(tmp_path / "ckpt", tmp_path / "store", progress=False)   # 8 experts of 50 MB in one block
     generate = [SHARDSTREAM, "generate", str(tmp_path / "store"), "--prompt", "hello world", "--max-new-tokens", "4",
                 "--no-progress"]
-    free = subprocess.run(generate, capture_output=True, text=True, timeout=300)
+    free = warm_python.run(generate, capture_output=True, text=True, timeout=300)
     with_block = subprocess.run([str(MEMCAP), "600M", "--", *generate], capture_output=True, text=True, timeout=300)
-    subprocess.run([SHARDSTREAM, "shard", str(tmp_path / "store"), "--experts"], check=True, capture_output=True, timeout=300)
+    warm_python.run([SHARDSTREAM, "shard", str(tmp_path / "store"), "--experts"], check=True, capture_output=True,
+                    timeout=300)
     on_demand = subprocess.run([str(MEMCAP), "600M", "--", *generate, "--experts", "on-demand"],
                                capture_output=True, text=True, timeout=300)
 

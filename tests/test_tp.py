@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -351,8 +352,8 @@ def test_tensor_parallel_outside_torchrun_is_one_sentence(runs):
     stores, _, _ = runs
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(SRC)
-    done = subprocess.run([sys.executable, "-m", "shardstream", "generate", str(stores["llama"]), "--tensor-parallel",
-                           "--prompt", "Hi"], capture_output=True, text=True, env=env, timeout=600)
+    done = warm_python.run([sys.executable, "-m", "shardstream", "generate", str(stores["llama"]), "--tensor-parallel",
+                            "--prompt", "Hi"], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set; start it with `torchrun" in " ".join(done.stderr.split())
@@ -490,8 +491,9 @@ def test_a_rank_killed_while_writing_its_shares_resumes(tmp_path):
 
 def test_tp_cache_without_tensor_parallel_is_one_sentence(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run([sys.executable, "-m", "shardstream", "generate", str(tmp_path), "--prompt", "Hi",
-                           "--tp-cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env, timeout=600)
+    done = warm_python.run([sys.executable, "-m", "shardstream", "generate", str(tmp_path), "--prompt", "Hi",
+                            "--tp-cache", str(tmp_path / "cache")], capture_output=True, text=True, env=env,
+                           timeout=600)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "--tp-cache goes with --tensor-parallel; leave it out." in " ".join(done.stderr.split())
 

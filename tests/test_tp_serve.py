@@ -21,6 +21,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import warm_python
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -182,8 +183,8 @@ def test_streaming_logprobs_n_and_chat(ranks):
 ])
 def test_options_that_do_not_go_with_tensor_parallel_are_one_sentence(tiny, options, sentence):
     store, _, _ = tiny
-    done = subprocess.run([sys.executable, "-m", "shardstream", "serve", str(store), *options],
-                          capture_output=True, text=True, env=_env(), timeout=120)
+    done = warm_python.run([sys.executable, "-m", "shardstream", "serve", str(store), *options],
+                           capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert sentence in " ".join(done.stderr.split())
 
@@ -230,9 +231,10 @@ def test_auto_residency_of_a_serving_rank_is_its_share_of_serves(tiny, tmp_path)
     so each keeps them within half of that, not within generate's share."""
     store, _, _ = tiny
     log = tmp_path / "alone.log"
-    alone = subprocess.Popen([sys.executable, "-m", "shardstream", "serve", str(store), "--port", str(_free_port()),
-                              "--no-progress", "--max-batch-size", "8"],
-                             stdout=subprocess.DEVNULL, stderr=log.open("w"), env=_env())
+    with log.open("w") as written:
+        alone = warm_python.popen([sys.executable, "-m", "shardstream", "serve", str(store), "--port",
+                                   str(_free_port()), "--no-progress", "--max-batch-size", "8"],
+                                  stdout=subprocess.DEVNULL, stderr=written, env=_env())
     try:
         one = _resident_budgets(alone, log, 1)["the model"]
     finally:

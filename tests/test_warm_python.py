@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,11 +15,15 @@ CLI = [sys.executable, "-m", "shardstream.cli"]
 PRELOADED = "import sys; print('torch' in sys.modules)"
 
 
-def test_a_command_gives_what_a_fresh_process_gives(tmp_path):
+@pytest.mark.parametrize("command", [CLI, [warm_python.SCRIPT]], ids=["module", "script"])
+def test_a_command_gives_what_a_fresh_process_gives(command, tmp_path):
     for args in (["verify", "missing-store"], ["convert", "-h"], ["generate", "x", "--max-new-tokens", "0"]):
-        warm = warm_python.run([*CLI, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        fresh = subprocess.run([*CLI, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+        warm = warm_python.popen([*command, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        assert isinstance(warm, warm_python.WarmProcess)
+        out, err = warm.communicate(timeout=120)
+        fresh = subprocess.run([*command, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert (warm.returncode, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr)
         assert warm.returncode != 0 or args[-1] == "-h"
 
 
@@ -48,6 +53,22 @@ def test_only_an_environment_read_after_the_imports_is_served_warm(tmp_path):
     fresh = warm_python.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True,
                             env={**os.environ, "HF_HOME": str(tmp_path)})
     assert (warm.stdout, fresh.stdout) == ("True\n", "False\n")
+
+
+def test_a_pythonpath_of_folders_on_the_warm_path_is_served_warm_with_them_first(tmp_path):
+    """Also its empty entry (the working folder, already first for `-c`); a folder of its own runs afresh."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(warm_python.__file__))), "src")
+    (tmp_path / "own").mkdir()
+    code = "import json, sys; print(json.dumps(['torch' in sys.modules, sys.path]))"
+    for folder, preloaded in ((src, True), (os.path.relpath(src, tmp_path), True), ("own", False)):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])}
+        warm = warm_python.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+        fresh = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+        (warm_preloaded, warm_path), (_, fresh_path) = json.loads(warm.stdout), json.loads(fresh.stdout)
+        assert warm_preloaded == preloaded, folder
+        warm_path, fresh_path = ([os.path.abspath(os.path.join(tmp_path, f)) for f in path]
+                                 for path in (warm_path, fresh_path))
+        assert warm_path == fresh_path and warm_path[:2] == [str(tmp_path), os.path.abspath(tmp_path / folder)]
 
 
 def test_a_timeout_kills_it_and_signals_reach_it():

@@ -1,4 +1,5 @@
-"""`python -m shardstream... ` or `python -c CODE ...`, run to its end in a process forked from a warm interpreter.
+"""`python -m shardstream...`, `python -c CODE ...` or the `shardstream` script, run in a process forked from a warm
+interpreter.
 
 A fresh interpreter spends seconds importing torch and transformers before a command parses its first option,
 and the suite runs a few hundred commands. `run()` takes subprocess.run's arguments for such a command and runs
@@ -7,7 +8,8 @@ child is a real process: its own pid, working folder, environment, standard stre
 atexit handlers, and a SIGKILL on timeout. It starts where a fresh interpreter stands after those imports.
 
 What is read while importing is the server's. So a command whose environment differs from the server's in
-anything but SHARDSTREAM_* switches (read at each use) and pytest's name of the running test runs in a fresh
+anything but SHARDSTREAM_* switches (read at each use), pytest's name of the running test and a PYTHONPATH of
+folders already on the server's path (the child puts them first, as a fresh interpreter would) runs in a fresh
 interpreter, as does any other command, and any call with an option `run()` does not take. Tests of what a
 command imports as it starts, and of processes signalled, capped or timed while they run, use subprocess.
 """
@@ -44,6 +46,7 @@ _READ_LATER = {"PYTEST_CURRENT_TEST",   # set by pytest for each test; nothing r
                "PYTHONUNBUFFERED",     # read as the standard streams are made, which the child does itself
                "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}   # set by torch in the test process: a pointer of its own
 _TAKEN = {"stdin", "stdout", "stderr", "text", "cwd", "env", "start_new_session"}
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "shardstream")   # the console script, as a user runs it
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
 
@@ -57,10 +60,12 @@ class _Server:
         self.log = open(os.path.join(self.folder, "log"), "w+")
         self.process = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=self.log, text=True)
-        if not any(line.strip() == "ready" for line in self.process.stdout):
+        ready = next((line for line in self.process.stdout if line.startswith("ready ")), None)
+        if ready is None:
             self.process.wait()
             self.log.seek(0)
             raise RuntimeError(f"the warm interpreter did not start: {self.log.read()[-2000:]}")
+        self.path_folders = {os.path.abspath(folder) for folder in json.loads(ready[len("ready "):])[1:]}
         atexit.register(self.stop)
 
     def stop(self) -> None:
@@ -69,10 +74,19 @@ class _Server:
         self.log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def serves(self, environ: dict[str, str]) -> bool:
+    def serves(self, environ: dict[str, str], cwd: str, first: str) -> bool:
+        """Whether a command started in `cwd` with `environ`, `first` on its path, imports what the server did."""
         keys = (set(environ) | set(self.environ))
         return all(environ.get(k) == self.environ.get(k) for k in keys
-                   if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER)
+                   if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER and k != "PYTHONPATH") \
+            and all(os.path.normpath(os.path.join(cwd, folder)) in {*self.path_folders, first}
+                    for folder in _folders(environ))
+
+
+def _folders(environ: dict[str, str]) -> list[str]:
+    """The folders PYTHONPATH puts on a fresh interpreter's path (an empty entry is the working folder)."""
+    given = environ.get("PYTHONPATH", "")
+    return [os.path.normpath(folder) for folder in given.split(os.pathsep)] if given else []
 
 
 _server: _Server | None = None
@@ -91,8 +105,11 @@ def _environment(env) -> dict[str, str]:
 
 def _warm(args: list[str], options: dict, environ: dict[str, str]) -> bool:
     """Whether the command can run forked from the warm server and be the same as run afresh."""
-    return (len(args) >= 3 and args[0] == sys.executable and args[1] in ("-m", "-c") and not set(options) - _TAKEN
-            and (args[1] == "-c" or args[2].startswith("shardstream")) and _warm_server().serves(environ))
+    command = args[:1] == [SCRIPT] or (len(args) >= 3 and args[0] == sys.executable and args[1] in ("-m", "-c")
+                                        and (args[1] == "-c" or args[2].startswith("shardstream")))
+    cwd = os.path.abspath(options.get("cwd") or os.getcwd())
+    return (command and not set(options) - _TAKEN
+            and _warm_server().serves(environ, cwd, os.path.dirname(SCRIPT) if args[0] == SCRIPT else cwd))
 
 
 def popen(args, **options) -> subprocess.Popen | WarmProcess:
@@ -156,8 +173,8 @@ class WarmProcess:
         child_in, self.stdin = end(stdin, null, True)   # not the test process's own stdin
         child_out, self.stdout = end(stdout, 1, False)
         child_err, self.stderr = (child_out, None) if stderr is subprocess.STDOUT else end(stderr, 2, False)
-        request = json.dumps({"args": args[1:], "cwd": str(cwd or os.getcwd()), "env": environ,
-                              "new_session": start_new_session}).encode()
+        request = json.dumps({"args": args if args[0] == SCRIPT else args[1:], "cwd": str(cwd or os.getcwd()),
+                              "env": environ, "new_session": start_new_session}).encode()
         self._conn = socket.socket(socket.AF_UNIX)
         self._conn.connect(_warm_server().path)
         socket.send_fds(self._conn, [_HEADER.pack(len(request))], [child_in, child_out, child_err])
@@ -255,7 +272,7 @@ def _serve(path: str) -> None:
     listener.bind(path)
     listener.listen(16)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # the waiters below are reaped by the kernel
-    print("ready", flush=True)
+    print("ready", json.dumps(sys.path), flush=True)
     while True:
         conn, _ = listener.accept()
         if os.fork() == 0:
@@ -287,6 +304,7 @@ def _wait_for_command(conn: socket.socket) -> None:
 
 
 def _run_command(request: dict, fds: list[int]) -> None:
+    own = {os.path.abspath(folder) for folder in _folders(os.environ)}   # the server's PYTHONPATH, from its folder
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -298,12 +316,18 @@ def _run_command(request: dict, fds: list[int]) -> None:
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = sys.__stdout__ = _output(1, line_buffering=os.isatty(1))
     sys.stderr = sys.__stderr__ = _output(2, errors="backslashreplace", line_buffering=True)
-    sys.path[0] = "" if request["args"][0] == "-c" else os.getcwd()
+    how = request["args"][0]
+    first = {"-c": "", "-m": os.getcwd()}.get(how, os.path.dirname(how))
+    given = [os.path.abspath(folder) for folder in _folders(os.environ)]   # after chdir: relative to the command's
+    sys.path[:] = [first, *given, *(folder for folder in sys.path[1:] if os.path.abspath(folder) not in {*given, *own})]
     code = 0
     try:
-        if request["args"][0] == "-m":
+        if how == "-m":
             sys.argv = request["args"][1:]
             runpy.run_module(request["args"][1], run_name="__main__", alter_sys=True)
+        elif how == SCRIPT:
+            sys.argv = request["args"]
+            runpy.run_path(how, run_name="__main__")
         else:
             sys.argv = ["-c", *request["args"][2:]]
             main = types.ModuleType("__main__")
