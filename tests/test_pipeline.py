@@ -52,7 +52,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
-    started = spawn_agents(["a", "b", "c"], TOKEN, tmp_path_factory.mktemp("agents"))
+    started = spawn_agents(["a", "b", "c"], TOKEN, tmp_path_factory.mktemp("agents"), start=warm_python.popen)
     yield started
     for agent in started:
         agent.stop()

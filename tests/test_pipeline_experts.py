@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import warm_python
 import torch
 
 from shardstream.convert import convert
@@ -31,7 +32,7 @@ def pipeline(tmp_path_factory):
     convert(tmp / "ckpt", tmp / "store", progress=False)
     store = open_store(tmp / "store")
     place_experts(store, {"hot": ".", "cold": str(tmp / "cold")}, placement=COLD)
-    agents = spawn_agents(["a", "b"], TOKEN, tmp / "agents")
+    agents = spawn_agents(["a", "b"], TOKEN, tmp / "agents", start=warm_python.popen)
     clients = [AgentClient(a.url, TOKEN) for a in agents]
     coordinator = Coordinator(store, clients, CoordinatorOptions(tmp / "work", context_length=64, objective="throughput",
                                                                  pipeline_order=["a", "b"]))

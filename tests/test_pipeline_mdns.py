@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import warm_python
 
 from shardstream.errors import InvalidOption
 from shardstream.pipeline.cli import coordinator_command
@@ -39,7 +40,7 @@ def test_an_advertised_agent_is_discovered_and_runs_the_model(tmp_path, capsys):
     if not _multicast_works():
         pytest.skip("this machine does not deliver mDNS multicast on loopback")
     store, reference, tokenizer = llama_store_with_tokenizer(tmp_path / "model")
-    agents = spawn_agents(["mdns-agent"], TOKEN, tmp_path / "agents", advertise=True)
+    agents = spawn_agents(["mdns-agent"], TOKEN, tmp_path / "agents", advertise=True, start=warm_python.popen)
     try:
         assert agents[0].url in discover(2.0)
         # a second browse right after the first: the agent may wait out mDNS's once-a-second limit on

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +43,12 @@ class LocalAgent:
 
 def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 300.0,
                  advertise: bool = False, wrapper: list[str] = (), threads: int | None = None,
-                 arguments: list[str] = ()) -> list[LocalAgent]:
+                 arguments: list[str] = (),
+                 start: Callable[..., subprocess.Popen] = subprocess.Popen) -> list[LocalAgent]:
     """Start one agent process per name (all at once; announced by mDNS with `advertise`; each run
     under `wrapper`, e.g. a memory cap: `["memcap", "400M", "--"]`; `arguments`: more of the agent
-    command's options), then wait until each answers its health check. They split the host's cores
+    command's options; `start`: what starts a process, with subprocess.Popen's arguments), then wait
+    until each answers its health check. They split the host's cores
     (`--threads`, unless `threads` is given: one request's stages run one after the other, so each
     may take them all), so they do not oversubscribe it.
     Each agent binds free ports itself and reports them in a ready file, so no port can be taken
@@ -60,8 +63,8 @@ def spawn_agents(names: list[str], token: str, folder: Path, timeout: float = 30
                    "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                    "--cache-dir", str(folder / name), "--threads", threads, *arguments] + (["--advertise"] if advertise else [])
         with open(log, "wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, PARENT_PID.name: str(os.getpid())})
+            process = start(command, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, PARENT_PID.name: str(os.getpid())})
         started.append((LocalAgent(name, "", process, log), ready))
     agents = [agent for agent, _ in started]
     deadline = time.monotonic() + timeout
