@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import warm_python
 
 from http_server import serve_hub
 from test_cli_convert import CLI, run_cli
@@ -33,8 +34,9 @@ def test_serve_names_the_model_after_its_folder(tmp_path):
     store.rename(tmp_path / "store2")
     port = _free_port()
     log = tmp_path / "serve.log"
-    process = subprocess.Popen([*CLI, "serve", "./store2", "--port", str(port), "--no-progress"], cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    with log.open("w") as written:
+        process = warm_python.popen([*CLI, "serve", "./store2", "--port", str(port), "--no-progress"], cwd=tmp_path,
+                                    stdout=subprocess.DEVNULL, stderr=written)
     try:
         deadline = time.monotonic() + 120
         while True:

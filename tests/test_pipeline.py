@@ -150,7 +150,8 @@ os._exit(0)   # dies without stopping its agent
 
 
 def test_a_local_agent_does_not_outlive_the_process_that_started_it(tmp_path):
-    run = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    run = warm_python.run([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
     pid = int(run.stdout.split()[-1])
     deadline = time.monotonic() + 30
     while _running(pid) and time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 
 from shardstream import quant
@@ -135,8 +136,8 @@ for switch in ("0", "0", "1", "1"):
 
 
 def _availability(setup: str = "") -> tuple[list[str], str]:
-    run = subprocess.run([sys.executable, "-c", AVAILABILITY.format(setup=setup)], capture_output=True, text=True,
-                         timeout=300, env=_env())
+    run = warm_python.run([sys.executable, "-c", AVAILABILITY.format(setup=setup)], capture_output=True, text=True,
+                          timeout=300, env=_env())
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.split("\n"), run.stderr
 
