@@ -2,16 +2,17 @@
 interpreter.
 
 A fresh interpreter spends seconds importing torch and transformers before a command parses its first option,
-and the suite runs a few hundred commands. `run()` takes subprocess.run's arguments for such a command and runs
-it in a child forked from one server per test process, which has imported torch and transformers once. The
-child is a real process: its own pid, working folder, environment, standard streams, exit status, threads and
-atexit handlers, and a SIGKILL on timeout. It starts where a fresh interpreter stands after those imports.
+and the suite runs a few hundred commands. `run()` and `popen()` take subprocess.run's and subprocess.Popen's
+arguments for such a command and run it in a child forked from one server per test process, which has imported
+torch and transformers once. The child is a real process: its own pid, working folder, environment, standard
+streams, exit status, signals, threads and atexit handlers, and a SIGKILL on timeout. It starts where a fresh
+interpreter stands after those imports.
 
 What is read while importing is the server's. So a command whose environment differs from the server's in
 anything but SHARDSTREAM_* switches (read at each use), pytest's name of the running test and a PYTHONPATH of
 folders already on the server's path (the child puts them first, as a fresh interpreter would) runs in a fresh
-interpreter, as does any other command, and any call with an option `run()` does not take. Tests of what a
-command imports as it starts, and of processes signalled, capped or timed while they run, use subprocess.
+interpreter, as does any other command, and any call with an option these do not take. Tests of what a command
+imports as it starts, of its memory under a cap, or of its command line as other processes read it use subprocess.
 """
 
 from __future__ import annotations
