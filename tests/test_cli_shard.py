@@ -23,9 +23,11 @@ def test_shard_relocate_verify(tmp_path):
 
     run_cli("shard", "store", "--tp", "2", cwd=tmp_path, check=True)
     placed = run_cli("shard", "store", "--experts", "--tiers", f"hot=.,cold={cold}", cwd=tmp_path, check=True)
-    assert "experts placed" in placed.stdout
+    assert placed.stdout.strip().endswith("12 experts placed: 12 on hot"), placed.stdout
     moved = run_cli("relocate", "store", "--expert", "1:2", "--tier", "cold", cwd=tmp_path, check=True)
     assert "expert 1:2 is on tier cold" in moved.stdout
+    again = run_cli("shard", "store", "--experts", cwd=tmp_path, check=True)   # a rerun says where they are
+    assert again.stdout.strip() == "12 experts placed: 11 on hot, 1 on cold", again.stdout
     assert (cold / "experts" / "tier_cold" / "group_1.1.experts").is_file()
     assert run_cli("verify", "store", cwd=tmp_path, check=True).stdout.startswith("OK")
     listed = "".join(run_cli("inspect", "store", cwd=tmp_path, check=True).stdout.split())   # as if never wrapped

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -199,7 +200,12 @@ def shard(
     if tp is not None:
         console.print(f"{len(export_tp(opened, tp))} slices written for {tp} ranks")
     if experts:
-        console.print(f"{len(place_experts(opened, parse_tiers(tiers or 'hot=.')))} experts placed")
+        placed = place_experts(opened, parse_tiers(tiers or "hot=."))
+        on_tier = Counter(record.tier for record in placed.values())
+        known = load_index(opened).tiers   # fastest first
+        where = ", ".join(f"{on_tier[name]} on {name}" for name in sorted(known, key=lambda n: known[n]["hint"])
+                          if on_tier[name])
+        console.print(f"{len(placed)} experts placed: {where}", soft_wrap=True, highlight=False)
     elif tiers is not None:
         index = load_index(opened, for_update=True)
         define_tiers(opened, index, parse_tiers(tiers))
