@@ -77,11 +77,10 @@ class _Server:
 
     def serves(self, environ: dict[str, str], cwd: str, first: str) -> bool:
         """Whether a command started in `cwd` with `environ`, `first` on its path, imports what the server did."""
-        keys = (set(environ) | set(self.environ))
+        keys, known = set(environ) | set(self.environ), {*self.path_folders, first}
         return all(environ.get(k) == self.environ.get(k) for k in keys
                    if not k.startswith(_SWITCH_PREFIX) and k not in _READ_LATER and k != "PYTHONPATH") \
-            and all(os.path.normpath(os.path.join(cwd, folder)) in {*self.path_folders, first}
-                    for folder in _folders(environ))
+            and all(os.path.normpath(os.path.join(cwd, folder)) in known for folder in _folders(environ))
 
 
 def _folders(environ: dict[str, str]) -> list[str]:
@@ -320,7 +319,8 @@ def _run_command(request: dict, fds: list[int]) -> None:
     how = request["args"][0]
     first = {"-c": "", "-m": os.getcwd()}.get(how, os.path.dirname(how))
     given = [os.path.abspath(folder) for folder in _folders(os.environ)]   # after chdir: relative to the command's
-    sys.path[:] = [first, *given, *(folder for folder in sys.path[1:] if os.path.abspath(folder) not in {*given, *own})]
+    left_out = {*given, *own}
+    sys.path[:] = [first, *given, *(folder for folder in sys.path[1:] if os.path.abspath(folder) not in left_out)]
     code = 0
     try:
         if how == "-m":
