@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import warm_python
@@ -118,7 +116,7 @@ def test_generate_command_refuses_conflicting_options(tiny, options, words):
 
 def test_a_prompt_that_is_not_utf8_is_one_line_and_exit_1(tiny):
     """A Latin-1 byte in --prompt (as a shell in another locale passes it) is one line naming it, not a traceback."""
-    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    shardstream = warm_python.SCRIPT
     done = subprocess.run([shardstream, "generate", str(tiny[0]), "--prompt", b"caf\xe9"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -135,7 +133,7 @@ def test_a_store_without_tokenizer_files_is_one_line_and_exit_1(tmp_path):
 
     save_checkpoint("qwen2", tmp_path / "ckpt")
     convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
-    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    shardstream = warm_python.SCRIPT
     done = warm_python.run([shardstream, "generate", str(tmp_path / "store"), "--prompt", "hi", "--no-progress"],
                            capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -161,7 +159,7 @@ def test_ctrl_c_on_generate_says_whether_running_it_again_continues(endless, tmp
     prompts.write_text('{"prompt": "Hi", "max_tokens": 1}\n{"prompt": "Hello"}\n')
     given = ["--prompt", "Hello"] if mode == "prompt" else ["--prompts-file", str(prompts), "--output", str(answers),
                                                            "--batch-size", "1"]
-    shardstream = str(Path(sys.executable).with_name("shardstream"))
+    shardstream = warm_python.SCRIPT
     process = subprocess.Popen([shardstream, "generate", str(endless), *given, "--max-new-tokens", "4000",
                                 "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=_default_sigint)

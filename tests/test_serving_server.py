@@ -9,7 +9,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from tiny_models import endless_llama_store, llama_store_with_tokenizer
 KEY = "test-key"
 PROMPT = "Hello, world"
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+SHARDSTREAM = warm_python.SCRIPT   # the console script
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ from tiny_models import char_tokenizer, save_checkpoint
 from test_serving_serve_memory import MEMCAP, _memcap_missing
 
 PAGE = mmap.PAGESIZE
-SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+SHARDSTREAM = warm_python.SCRIPT   # the console script
 
 
 def _rss_pages(mapping: mmap.mmap) -> int:
