@@ -255,6 +255,62 @@ def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):
             expert.tensors_in(buffer, *expert.fill(buffer, drop=True))
 
 
+def test_an_expert_is_hashed_on_its_first_read_in_the_process_only(tmp_path, monkeypatch):
+    """As a block's part: an expert's checksum is checked the first time the process reads it, and its later reads
+    (nothing kept: every pass reads what it routes to) by their length only, without a core hashing beside the
+    read; `verify_checksums=False` hashes none, so a damaged expert of the right length is not refused."""
+    fills: list[tuple[str, bool]] = []
+    real = Expert.fill
+
+    def recording(self, *args, **kwargs):
+        done, hashing = real(self, *args, **kwargs)
+        fills.append((self.record.key, hashing is not None))
+        return done, hashing
+
+    monkeypatch.setattr(Expert, "fill", recording)
+    _, store = _store(tmp_path)
+    ids = torch.tensor([[5, 6, 7]])
+    options = dict(experts="on_demand", max_resident_memory=0, max_expert_memory=0, prefetching=False)
+    with StreamingModel(store, **options) as model:
+        first = model(ids).logits
+        read_first = list(fills)
+        assert read_first and all(hashed for _, hashed in read_first)
+        assert len({key for key, _ in read_first}) == len(read_first) == model.experts.loads
+        again = model(ids).logits
+        assert sorted(key for key, _ in fills[len(read_first):]) == sorted(key for key, _ in read_first)
+        assert not any(hashed for _, hashed in fills[len(read_first):])
+        assert torch.equal(first, again)
+    for expert in range(EXPERTS):   # every layer-0 expert damaged, its length kept
+        record = load_index(store).experts[f"0:{expert}"]
+        path = (tmp_path / "cold" if record.tier == "cold" else store.root) / record.file
+        data = bytearray(path.read_bytes())
+        data[record.offset + record.length // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    fills.clear()
+    with StreamingModel(store, **options, verify_checksums=False) as model:
+        model(ids)
+        assert fills and not any(hashed for _, hashed in fills)
+    with StreamingModel(store, **options) as model, pytest.raises(StoreCorrupt, match="fails its checksum"):
+        model(ids)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_read_made_without_its_checksum_is_checked_by_its_length(tmp_path, drop):
+    """A read not hashed (the expert passed its checksum earlier in the process, or checksums are off) still
+    refuses bytes cut short: the container's last expert, its file truncated."""
+    _, store = _store(tmp_path)
+    index = load_index(store)
+    record = max(index.experts.values(), key=lambda r: (r.file, r.offset))
+    expert = Expert(store, index, record)
+    with open(expert.path, "r+b") as handle:
+        handle.truncate(record.offset + record.length - 100)
+    buffer = read_buffer(aligned(record.length))
+    done, hashing = expert.fill(buffer, drop=drop, verify=False)
+    assert hashing is None and done == record.length - 100
+    with pytest.raises(StoreCorrupt, match=rf"\(expert {record.key}\) is {done} bytes, not the {record.length} its index"):
+        expert.tensors_in(buffer, done, hashing)
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_read_is_hashed_piece_by_piece_as_it_lands(tmp_path, monkeypatch, direct):
     """An expert's checksum is made while it is read, a piece at a time (O_DIRECT requests or plain chunks),

@@ -296,20 +296,25 @@ class Expert:
         data = self.raw()
         if verify:
             checked(data, self.record.span, self.where())
-        elif len(data) != self.record.length:
-            raise StoreCorrupt(f"{self.where()} is {len(data)} bytes, not the {self.record.length} its index says; "
-                               "run `shardstream verify --parts experts`.")
+        else:
+            self._check_length(len(data))
         return data
+
+    def _check_length(self, size: int) -> None:
+        if size != self.record.length:
+            raise StoreCorrupt(f"{self.where()} is {size} bytes, not the {self.record.length} its index says; "
+                               "run `shardstream verify --parts experts`.")
 
     @property
     def path(self) -> Path | None:
         """The file on this machine (its tier's root may be outside the store); None in a remote store."""
         return None if self.store.remote else tier_root(self.store, self.index, self.record.tier) / self.record.file
 
-    def fill(self, buffer, drop: bool = False, stop: Stoppable | None = None) -> tuple[int, HashAsRead]:
+    def fill(self, buffer, drop: bool = False, stop: Stoppable | None = None,
+             verify: bool = True) -> tuple[int, HashAsRead | None]:
         """Read the expert's bytes into `buffer` (a writable buffer of at least `nbytes`: reused, it costs no
-        page faults), unchecked (`tensors_in` checks them): the bytes read, and their checksum, made piece by
-        piece as they land (`HashAsRead`).
+        page faults), unchecked (`tensors_in` checks them): the bytes read, and (`verify`) their checksum, made
+        piece by piece as they land (`HashAsRead`), else None.
 
         `drop` (the experts outgrow memory, so every one is read again anyway, and under a cap that counts
         the page cache kept pages are reclaim to pay for): past the page cache, with O_DIRECT when `buffer`
@@ -319,28 +324,34 @@ class Expert:
         `Stoppable`)."""
         record = self.record
         view = memoryview(buffer)[:record.length]
-        hashing = HashAsRead(view)
+        hashing = HashAsRead(view) if verify else None
         try:
-            done = _read_direct(self.path, buffer, record.offset, record.length, stop, hashing.landed) if drop else None
+            done = _read_direct(self.path, buffer, record.offset, record.length, stop,
+                                hashing and hashing.landed) if drop else None
             if done is None:   # no O_DIRECT here: read again from the start, hashed again
-                hashing.close()
-                hashing = HashAsRead(view)
-                done = _read_plain(self.path, view, record.offset, drop, stop, hashing.landed)
+                if hashing is not None:
+                    hashing.close()
+                    hashing = HashAsRead(view)
+                done = _read_plain(self.path, view, record.offset, drop, stop, hashing and hashing.landed)
         except BaseException as error:
-            hashing.close()
+            if hashing is not None:
+                hashing.close()
             if isinstance(error, FileNotFoundError):
                 raise _missing(self.path) from None
             raise
         return done, hashing
 
-    def tensors_in(self, buffer, done: int, hashing: HashAsRead,
+    def tensors_in(self, buffer, done: int, hashing: HashAsRead | None,
                    dequantize: bool = True) -> dict[str, torch.Tensor | QuantizedTensor]:
         """The expert's tensors viewing `buffer` that `fill` read `done` bytes into, `hashing` them (where
         stored plainly; else dequantized, or as codes and scales when not `dequantize`), once they pass its
-        checksum."""
-        digest = hashing.hexdigest()   # asked first: it also waits for the hashing thread to end
-        if done != self.record.span.size or digest != self.record.span.xxh3_128:
-            raise _corrupt(self.where())
+        checksum; a read made without one (`hashing` None) is checked by its length only."""
+        if hashing is None:
+            self._check_length(done)
+        else:
+            digest = hashing.hexdigest()   # asked first: it also waits for the hashing thread to end
+            if done != self.record.span.size or digest != self.record.span.xxh3_128:
+                raise _corrupt(self.where())
         return self._decode(memoryview(buffer)[:self.record.length], dequantize)
 
     def raw(self) -> bytearray:

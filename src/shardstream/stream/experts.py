@@ -10,9 +10,12 @@ stacked copy is made of an expert, so a pass costs its experts' reads and their 
 
 Experts stay in memory between passes, within `budget` bytes, by how often and how lately they were
 routed to (expert_cache.py); a pass reads only the routed experts not held, the next one read on a thread
-while one multiplies (large ones one after the other, in the order they multiply: `_executor`), each
-checksummed as its bytes land (store/checksum.py's HashAsRead). A Mixtral-8x7B block (2.8 GB of experts in
-bf16) runs in the memory of one expert read and, with `read_ahead`, the next.
+while one multiplies (large ones one after the other, in the order they multiply: `_executor`). As a block's
+part is (loader.py), an expert is checked against its checksum the first time it is read in this process,
+hashed as its bytes land (store/checksum.py's HashAsRead), so that a corrupt store fails on the first pass
+that routes to it; its later reads are checked by their length only: hashing every read takes a core's time
+beside the read and slows it. A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one
+expert read and, with `read_ahead`, the next.
 
 Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
 no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
@@ -134,12 +137,12 @@ class ExpertlessLoader(BlockLoader):
 
 @dataclass
 class _Filled:
-    """An expert's bytes read into `buffer` (`done` of them), their checksum being made (`hashing`), not
-    checked yet."""
+    """An expert's bytes read into `buffer` (`done` of them), their checksum being made (`hashing`; None: a
+    read checked by its length only), not checked yet."""
     expert: Expert
     buffer: mmap.mmap
     done: int
-    hashing: HashAsRead
+    hashing: HashAsRead | None
 
 
 @dataclass
@@ -188,8 +191,9 @@ class OnDemandExperts:
     """
 
     def __init__(self, source: ExpertSource, model: nn.Module, mapper: WeightMapper, device: torch.device,
-                 layers: range | None = None):
-        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all."""
+                 layers: range | None = None, verify: bool = True):
+        """`layers`: the blocks whose experts to serve (a pipeline stage's), default all; `verify`: check each
+        expert against its checksum the first time it is read (else by its length only)."""
         store = self.store = source.store
         numbers = source.numbers
         self._first = numbers.start if numbers else 0
@@ -200,6 +204,8 @@ class OnDemandExperts:
         self.guessing = True   # experts read ahead of the router (_Guesses); off with prefetching=False
         self.drop_pages = False   # set when the experts do not all fit in memory
         self._buffers = BufferPool()   # experts are read into these
+        self._verify = verify
+        self._verified: set[str] = set()   # keys of the experts whose checksum a read here has passed
         self._threads: tuple[int, ThreadPoolExecutor] | None = None   # (threads, the reading threads)
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         self.guesses = _Guesses(self._fill, self._checked_when_read, self._give)
@@ -378,8 +384,16 @@ class OnDemandExperts:
         HTTP, then placed for the products."""
         if self.store.remote:
             placed = load_expert(self.store, layer, self._first + expert)
-            return self._loaded(layer, placed.read(verify=True, dequantize=False), None, placed.nbytes)
+            verify = self._verifies(placed)
+            tensors = placed.read(verify=verify, dequantize=False)
+            if verify:
+                self._verified.add(placed.record.key)
+            return self._loaded(layer, tensors, None, placed.nbytes)
         return self._checked(layer, self._fill(layer, expert, None))
+
+    def _verifies(self, placed: Expert) -> bool:
+        """Whether this read of `placed` is checked against its checksum: its first in this process."""
+        return self._verify and placed.record.key not in self._verified
 
     def _fill(self, layer: int, expert: int, stop: Stoppable | None) -> _Filled:
         """An expert's bytes read into a reused buffer (past the page cache when `drop_pages`; `stop`: a guess's
@@ -387,7 +401,8 @@ class OnDemandExperts:
         placed = load_expert(self.store, layer, self._first + expert)
         buffer = self._buffers.take(self._file_bytes)
         try:
-            return _Filled(placed, buffer, *placed.fill(buffer, drop=self.drop_pages, stop=stop))
+            return _Filled(placed, buffer, *placed.fill(buffer, drop=self.drop_pages, stop=stop,
+                                                        verify=self._verifies(placed)))
         except BaseException:
             self._give(buffer)
             raise
@@ -399,6 +414,8 @@ class OnDemandExperts:
         except BaseException:
             self._give(filled.buffer)
             raise
+        if filled.hashing is not None:
+            self._verified.add(filled.expert.record.key)
         return self._loaded(layer, tensors, filled.buffer, filled.expert.nbytes)
 
     def _checked_when_read(self, layer: int, read: Future) -> _Loaded:
@@ -559,7 +576,8 @@ class _Guesses:
                 pass   # an expert nobody routed to: a read that needs it reports its error
             else:
                 self.wasted_bytes += filled.done
-                filled.hashing.close()
+                if filled.hashing is not None:
+                    filled.hashing.close()
                 self._give(filled.buffer)
         if self._reads:
             kept = (1 - 1 / GUESS_MEMORY) ** len(self._reads)

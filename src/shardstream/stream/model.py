@@ -116,7 +116,8 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self._buffers_to_device()
         mapper = WeightMapper(self.model, block_renames(store, self.blocks) if partial else None)
         check_stored_shapes(store, self.model, mapper)
-        self.experts = (OnDemandExperts(experts_from or ExpertSource(store), self.model, mapper, self.device, self.blocks)
+        self.experts = (OnDemandExperts(experts_from or ExpertSource(store), self.model, mapper, self.device, self.blocks,
+                                        options.verify_checksums)
                         if options.experts == "on_demand" else None)
         self._loader = (ExpertlessLoader(store, mapper, self.device, options.verify_checksums, self.experts.checkpoint_names,
                                          self.blocks)
