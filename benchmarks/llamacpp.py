@@ -214,8 +214,9 @@ def stream_args(args) -> argparse.Namespace:
 
 
 def moe_args(args) -> argparse.Namespace:
-    """The options benchmarks/moe.py's `build` reads (its stores given apart)."""
-    return argparse.Namespace(shape=args.shape, layers=args.layers, workdir=args.workdir)
+    """The options benchmarks/moe.py's `build` reads (its stores given apart): its random checkpoint, the
+    residual stream's writers unscaled."""
+    return argparse.Namespace(shape=args.shape, layers=args.layers, workdir=args.workdir, residual_scale=1.0)
 
 
 # -- running a setting under memcap ---------------------------------------------------------------

@@ -94,6 +94,22 @@ def test_an_moe_shape_takes_its_own_cap_and_gguf_types_and_reports_its_expert_ca
     assert "--gguf-types: unknown q5_k; choose from bf16, q8_0, q4_0" in run.stderr
 
 
+def test_an_moe_shape_builds_its_checkpoint_with_every_option_moe_py_reads(tmp_path):
+    """An MoE shape's checkpoint and stores are benchmarks/moe.py's, made by its `build` from the options this
+    script hands it: all of them (one it did not have, its residual scale, stopped every MoE run here)."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import llamacpp
+    import moe
+
+    ckpt = tmp_path / "qwen3-30b-a3b-l1" / "ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")   # made already: build writes nothing, converts no store
+    options = llamacpp.moe_args(argparse.Namespace(shape="qwen3-30b-a3b", layers=1, workdir=str(tmp_path)))
+    assert moe.build(argparse.Namespace(**vars(options), stores="")) == {}
+
+
 def test_gguf_types_left_out_leave_their_stores_without_a_peer():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from llamacpp import default_cap, is_moe, settings
