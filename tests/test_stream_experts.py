@@ -200,6 +200,27 @@ def test_missing_expert_file_is_named(tmp_path):
             model(torch.tensor([[5, 6, 7]]))
 
 
+def _top_4_store(tmp: Path, model_type: str, dtype: torch.dtype = torch.float32, **extra):
+    """A tiny model of `model_type` that picks 4 of 8 experts, converted, its experts placed apart; and its
+    transformers twin."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_experts=8, num_experts_per_tok=4, decoder_sparse_step=1, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    reference.save_pretrained(tmp / "ckpt")
+    convert(tmp / "ckpt", tmp / "store", progress=False)
+    store = open_store(tmp / "store")
+    place_experts(store, {"hot": "."})
+    return reference, store
+
+
+TOP_4_EXPERT_BYTES = 3 * 32 * 16 * 4   # an expert's gate, up and down in float32 (_top_4_store)
+
+
 @pytest.mark.parametrize("model_type, extra", [
     ("qwen3_moe", dict(head_dim=8, norm_topk_prob=True)),
     ("qwen2_moe", dict(shared_expert_intermediate_size=32)),
@@ -208,28 +229,49 @@ def test_top_4_families_match_transformers(tmp_path, model_type, extra):
     """Qwen3-MoE and Qwen2-MoE (a shared expert beside the routed ones) pick 4 of 8: with one, three or all
     experts held, the logits are transformers' within float rounding (its own grouped and eager experts
     differ as much: gate and up are two products here, one there) and the greedy tokens are its own."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                  num_experts=8, num_experts_per_tok=4, decoder_sparse_step=1, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                  max_position_embeddings=128, **extra)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reference.save_pretrained(tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
-    store = open_store(tmp_path / "store")
-    place_experts(store, {"hot": "."})
+    reference, store = _top_4_store(tmp_path, model_type, **extra)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(ids).logits
     tokens = reference.generate(ids, max_new_tokens=6, do_sample=False)
-    one = 3 * 32 * 16 * 4   # an expert's gate, up and down in float32
+    one = TOP_4_EXPERT_BYTES
     for budget in ("auto", one, 3 * one):
         with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=budget) as model:
             got = model(ids).logits
             assert (got - want).abs().max().item() <= 1e-6
             assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), tokens)
+
+
+def test_held_experts_multiply_first_and_add_in_expert_order(tmp_path, monkeypatch):
+    """A pass multiplies the experts it holds before those it reads, so that none waits behind a read, yet adds
+    their outputs in expert order, as transformers does: the logits are the same bits as when every expert is
+    read in expert order (four outputs a token, each sum rounded to bfloat16: their order shows)."""
+    import shardstream.stream.experts as experts
+
+    _, store = _top_4_store(tmp_path, "qwen3_moe", torch.bfloat16, head_dim=8, norm_topk_prob=True)
+    ids = torch.tensor([[11, 42]])
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=0) as model:
+        want = model(ids).logits
+        held = model.experts.expert_bytes   # an expert as held, buffer alignment included
+    multiplied, multiply, forward = [], experts._multiply, experts.OnDemandExperts._forward
+
+    def recording_forward(self, *args):
+        multiplied.append([])   # the experts this pass multiplies, in order
+        return forward(self, *args)
+
+    def recording_multiply(block, weights, expert, *rest):
+        multiplied[-1].append(expert)
+        multiply(block, weights, expert, *rest)
+
+    monkeypatch.setattr(experts.OnDemandExperts, "_forward", recording_forward)
+    monkeypatch.setattr(experts, "_multiply", recording_multiply)
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0,
+                        max_expert_memory=8 * held) as model:
+        model(ids[:, :1])   # holds the experts of the first token, which the pass below routes to again
+        multiplied.clear()
+        got = model(ids).logits
+    assert any(order != sorted(order) for order in multiplied)   # held ones came before lower ones read
+    assert torch.equal(got, want)
 
 
 def test_expert_reads_past_the_page_cache_give_the_same_tensors(tmp_path):

@@ -307,25 +307,29 @@ class OnDemandExperts:
 
     def _forward(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """transformers' experts forward over the experts routed to, in expert order, each from the cache or
-        read (those not held read ahead while one multiplies: `_Reads`; a right guess's read already started).
-        Once this block's reads leave room, the next block's likely experts are read into it (`_guessed`)."""
+        """transformers' experts forward over the experts routed to, each from the cache or read (those not held
+        read ahead while one multiplies: `_Reads`; a right guess's read already started). The experts multiply
+        in the order their weights are at hand, those held first, then the right guesses, then the reads in
+        expert order, so that none waits behind a read; their outputs are added in expert order
+        (`_InExpertOrder`), transformers' sums. Once this block's reads leave room, the next block's likely
+        experts are read into it (`_guessed`)."""
         block = self._blocks[layer]
         self.cache.tick(layer)
-        out = torch.zeros_like(hidden_states)
         routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
         held = {expert: self.cache.get(layer, expert) for expert in routed}
         pinned = frozenset(expert for expert in routed if held[expert] is not None)
         missing = [e for e in routed if held[e] is None]
         threads, slots = self._executor(), 1 + self.depth(self.read_ahead)
-        reads = _Reads(threads, functools.partial(self._load, layer), missing, slots - 1, self._free,
-                       self.guesses.settle(layer, missing, threads))
+        started = self.guesses.settle(layer, missing, threads)
+        missing.sort(key=lambda expert: expert not in started)   # stable: the reads under way first
+        reads = _Reads(threads, functools.partial(self._load, layer), missing, slots - 1, self._free, started)
+        out = _InExpertOrder(torch.zeros_like(hidden_states), routed)
         if layer == self._first_block:
             self._first_picks = top_k_index
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         ahead = self._guessed(layer, hidden_states, top_k_index.shape[-1]) if room else None
         try:
-            for expert in routed:
+            for expert in [*(e for e in routed if e in pinned), *missing]:
                 loaded = held[expert]
                 if loaded is None:
                     loaded = reads.take()
@@ -341,7 +345,7 @@ class OnDemandExperts:
                 self.guesses.start(threads, *ahead, room)
         finally:
             reads.close()
-        return out
+        return out.total
 
     def _guessed(self, layer: int, hidden_states: torch.Tensor, top_k: int) -> tuple[int, list[int]] | None:
         """The block to read ahead for after `layer`, and its experts not held, the likeliest first: those the
@@ -603,16 +607,31 @@ def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: 
                                and dims == 2)
 
 
+class _InExpertOrder:
+    """The experts' outputs summed into `total` in expert order, as transformers sums them (so the same bits),
+    whichever order they are multiplied in: an output that comes before a lower expert's waits for it."""
+
+    def __init__(self, total: torch.Tensor, routed: list[int]):
+        self.total = total
+        self._order = deque(sorted(routed))
+        self._waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, expert: int, token_idx: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._waiting[expert] = (token_idx, hidden)
+        while self._order and self._order[0] in self._waiting:
+            token_idx, hidden = self._waiting.pop(self._order.popleft())
+            self.total.index_add_(0, token_idx, hidden.to(self.total.dtype))
+
+
 def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
               hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              out: torch.Tensor) -> None:
+              out: _InExpertOrder) -> None:
     """transformers' experts forward for one expert, from its weights as held: the tokens routed to it
     through act(gate) * up and down, weighted, added into `out`."""
     top_k_pos, token_idx = torch.where(top_k_index.t() == expert)
     state = hidden_states[token_idx]
     hidden = block.act(_product(state, weights[GATE])) * _product(state, weights[UP])
-    hidden = _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None]
-    out.index_add_(0, token_idx, hidden.to(out.dtype))
+    out.add(expert, token_idx, _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None])
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
