@@ -65,6 +65,8 @@ MEMCAP = next((p / "shared" / "tools" / "memcap" for p in ROOT.parents[:2] if (p
               ROOT.parent / "shared" / "tools" / "memcap")
 MB = 1e6
 MiB = 1 << 20
+# The cold read speed's buffers, all readers together: larger than a CPU's last-level cache (read_files).
+READ_SPAN = 128 * MiB
 # the environment of every child with --mask-bf16: the path of a CPU without bf16 instructions
 MASKED_BF16 = {"SHARDSTREAM_CPU_FLAGS": "-avx512_bf16,-amx_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
@@ -263,15 +265,21 @@ def long_prompt(args, store: Path, cap: str) -> None:
 
 def read_files(paths: list[Path], threads: int, chunk: int, direct: bool = False) -> float:
     """Bytes/s reading these files with `threads` readers, each with `chunk`-byte readinto calls
-    (O_DIRECT when `direct`: no page cache, so no reclaim under the cap)."""
+    (O_DIRECT when `direct`: no page cache, so no reclaim under the cap) into consecutive places of its buffer,
+    the readers' buffers READ_SPAN bytes in all: the bytes land in memory, as a block or an expert the runtime
+    reads does. One small buffer read into again and again stays in the CPU's cache, and a virtual disk whose
+    host copies into the guest's memory then reads faster than any read of a model can (docs/BENCHMARKS.md,
+    "Machines")."""
     from shardstream.stream.direct import read_buffer
 
     pending = list(paths)
     lock = threading.Lock()
     total = [0]
+    span = max(chunk, READ_SPAN // threads // chunk * chunk)
 
     def reader() -> None:
-        view = read_buffer(chunk)  # page-aligned, as O_DIRECT needs; huge pages, as the runtime's buffers
+        buffer = memoryview(read_buffer(span))  # page-aligned, as O_DIRECT needs; huge pages, as the runtime's
+        place = 0
         while True:
             with lock:
                 if not pending:
@@ -281,8 +289,9 @@ def read_files(paths: list[Path], threads: int, chunk: int, direct: bool = False
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 got = 0
-                while n := os.readv(fd, [view]):
+                while n := os.readv(fd, [buffer[place:place + chunk]]):
                     got += n
+                    place = (place + chunk) % span
                     if n < chunk:
                         break
             finally:
@@ -303,7 +312,7 @@ def read_speed(paths: list[Path]) -> dict:
     """Cold read speed of the block files (run under memcap): every variant after a fresh eviction."""
     results = {}
     for direct in (False, True):
-        for threads, chunk_mib in ((1, 8), (1, 32), (1, 64), (2, 16), (2, 32), (4, 8), (4, 16)):  # <= 64 MiB of buffers
+        for threads, chunk_mib in ((1, 8), (1, 32), (1, 64), (2, 16), (2, 32), (4, 8), (4, 16)):
             for path in paths:
                 evict(path)
             how = f"{threads} thread(s), {chunk_mib} MiB reads{', O_DIRECT' if direct else ''}"
