@@ -565,3 +565,17 @@ def test_guesses_seldom_right_are_cut_to_a_probe_and_come_back_when_right():
             assert list(right) == [4] and right[4].result() == ("checked", "buffer 4")
         assert guesses.allowance(3) == 3
     assert guesses.made == 3 * passes + guesses.right and guesses.wasted_bytes == 10 * len(given)
+
+
+def test_guesses_rank_experts_by_their_routing_weight():
+    """A token's likeliest expert is guessed first, whatever its number; over many tokens, the experts that take
+    most of the routing weight; another module's experts (a tensor-parallel rank's share) are left out."""
+    from shardstream.stream.experts import _ranked
+
+    assert _ranked(torch.tensor([[5, 3]]), torch.tensor([[0.7, 0.3]]), 8) == [5, 3]
+    assert _ranked(torch.tensor([[3, 5]]), torch.tensor([[0.6, 0.4]]), 8) == [3, 5]
+    picks = torch.tensor([[1, 2], [2, 6], [1, 7]])
+    weights = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])
+    assert _ranked(picks, weights, 8) == [1, 6, 7, 2]
+    assert _ranked(picks, weights, 4) == [1, 2]
+    assert _ranked(torch.tensor([[4, 0]]), torch.tensor([[1.0, 0.0]]), 8) == [4, 0]   # picked with no weight: last

@@ -210,7 +210,8 @@ class OnDemandExperts:
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         self.guesses = _Guesses(self._fill, self._checked_when_read, self._give)
         self._routers: dict[int, torch.Tensor] = {}   # each block's router weight, kept (float32) at its first run
-        self._first_picks: torch.Tensor | None = None   # the first block's router picks (top_k_index), last pass
+        # the first block's router picks of its last pass and their weights (top_k_index, top_k_weights)
+        self._first_picks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hooks = []
         mine = served_experts(source, layers)
         by_layer: dict[int, set[str]] = {}
@@ -325,7 +326,7 @@ class OnDemandExperts:
         reads = _Reads(threads, functools.partial(self._load, layer), missing, slots - 1, self._free, started)
         out = _InExpertOrder(torch.zeros_like(hidden_states), routed)
         if layer == self._first_block:
-            self._first_picks = top_k_index
+            self._first_picks = (top_k_index, top_k_weights)
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         ahead = self._guessed(layer, hidden_states, top_k_index.shape[-1]) if room else None
         try:
@@ -348,19 +349,19 @@ class OnDemandExperts:
         return out.total
 
     def _guessed(self, layer: int, hidden_states: torch.Tensor, top_k: int) -> tuple[int, list[int]] | None:
-        """The block to read ahead for after `layer`, and its experts not held, the likeliest first: those the
-        next block's router picks for this block's `hidden_states` (its `top_k` a token); after the last block,
-        the first one's picks of its last pass. None when nothing can be guessed."""
+        """The block to read ahead for after `layer`, and its experts not held, the likeliest first (`_ranked`):
+        those the next block's router picks for this block's `hidden_states` (its `top_k` a token); after the
+        last block, the first one's picks of its last pass. None when nothing can be guessed."""
         upcoming = self._next[layer]
         if upcoming > layer:
             weight = self._routers.get(upcoming)
             if weight is None:
                 return None
-            picks = torch.topk(functional.linear(hidden_states.float(), weight), top_k, dim=-1).indices
-            likely = _ranked(picks - self._first, self._blocks[upcoming].count)
+            weights, picks = torch.topk(functional.linear(hidden_states.float(), weight).softmax(-1), top_k, dim=-1)
+            likely = _ranked(picks - self._first, weights, self._blocks[upcoming].count)
         else:
             picked = self._first_picks
-            likely = [] if picked is None else _ranked(picked, self._blocks[upcoming].count)
+            likely = [] if picked is None else _ranked(*picked, self._blocks[upcoming].count)
         likely = [expert for expert in likely if not self.cache.holds(upcoming, expert)]
         return (upcoming, likely) if likely else None
 
@@ -592,12 +593,16 @@ class _Guesses:
         return right
 
 
-def _ranked(picks: torch.Tensor, count: int) -> list[int]:
-    """The experts of a module of `count` among router `picks` (others: not its own), the most picked first."""
-    picks = picks.flatten()
-    picks = picks[(picks >= 0) & (picks < count)]
-    tally = torch.bincount(picks, minlength=count)
-    return torch.argsort(tally, descending=True, stable=True)[:int((tally > 0).sum())].tolist()
+def _ranked(picks: torch.Tensor, weights: torch.Tensor, count: int) -> list[int]:
+    """The experts of a module of `count` among router `picks` (others: not its own), by the routing `weights`
+    given them summed over the tokens: a single token's likeliest first, and over many, those most of them
+    weigh most."""
+    picks, weights = picks.flatten(), weights.flatten().float()
+    mine = (picks >= 0) & (picks < count)
+    picks, weights = picks[mine], weights[mine]
+    tally = torch.bincount(picks, weights=weights, minlength=count)
+    tally[torch.bincount(picks, minlength=count) == 0] = -1   # never picked: not a guess, whatever its weight
+    return torch.argsort(tally, descending=True, stable=True)[:int((tally >= 0).sum())].tolist()
 
 
 def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: torch.device) -> bool:
