@@ -583,3 +583,39 @@ def test_guesses_rank_experts_by_their_routing_weight():
     assert _ranked(picks, weights, 8) == [1, 6, 7, 2]
     assert _ranked(picks, weights, 4) == [1, 2]
     assert _ranked(torch.tensor([[4, 0]]), torch.tensor([[1.0, 0.0]]), 8) == [4, 0]   # picked with no weight: last
+
+
+def test_guesses_see_the_next_blocks_router_input_as_far_as_known(placed):
+    """The next block's router is run on this block's residual stream plus the experts' outputs so far, through
+    the next block's post-attention norm: with the next block's attention writing nothing, that is exactly its
+    router's input once every output is in. An output waiting for a lower expert's counts."""
+    import copy
+
+    from shardstream.stream.experts import _Entering, _InExpertOrder
+
+    reference = copy.deepcopy(placed[0])
+    layers = reference.model.layers
+    with torch.no_grad():
+        layers[1].self_attn.o_proj.weight.zero_()
+    entering = _Entering()
+    hooks = [*entering.watch(0, reference, "model.layers.0.mlp.experts"),
+             *entering.watch(1, reference, "model.layers.1.mlp.experts")]
+    seen = {}
+    hooks.append(layers[0].mlp.register_forward_hook(lambda module, args, out: seen.update(outputs=out)))
+    hooks.append(layers[1].mlp.gate.register_forward_pre_hook(lambda module, args: seen.update(router=args[0])))
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference(ids)
+    for hook in hooks:
+        hook.remove()
+    residual = entering.residual(0)
+    assert residual is not None and entering.residual(0) is None   # the pass's to keep, then let go of
+    outputs = seen["outputs"].reshape(-1, residual.shape[-1])
+    state = entering.state(1, residual, outputs)
+    assert torch.allclose(state, seen["router"].float(), atol=1e-5)
+    assert not torch.allclose(entering.state(1, residual, torch.zeros_like(outputs)), state, atol=1e-3)
+    assert entering.state(2, residual, outputs) is None   # block 2 not watched: no norm kept, no guess from it
+
+    out = _InExpertOrder(torch.zeros(2, 3), [0, 1])
+    out.add(1, torch.tensor([0]), torch.ones(1, 3))
+    assert out.total.abs().sum() == 0 and torch.equal(out.so_far(), torch.tensor([[1.0] * 3, [0.0] * 3]))

@@ -20,10 +20,12 @@ expert read and, with `read_ahead`, the next.
 Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
 no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
 but one read's, so that a pass can always read the expert it multiplies next): those its router
-picks for this block's hidden state (in a trained model the residual stream changes little from one block
-to the next), and for the first block, those it picked for the token before. A guess's bytes are read but
+picks for the hidden state as it will enter it, as far as it is known then: this block's residual stream
+plus the outputs of the experts it has multiplied so far, through the next block's norm (the next block's
+attention adds little to the residual stream; `_Entering`), and for the first block, those it picked for
+the token before. A guess's bytes are read but
 not checked. When the next block routes, a right guess is its read, already in flight or done, checked on a
-reading thread; a wrong one is stopped within one STOP_PIECE request and its buffer goes back, having cost
+reading thread; a wrong one is stopped within one request (direct_io.stop_piece) and its buffer goes back, having cost
 its bytes and no CPU. Guesses use only the room the reads already have, so the memory is the same.
 """
 
@@ -210,6 +212,7 @@ class OnDemandExperts:
         self.cache: ExpertCache[_Loaded] = ExpertCache(2 ** 62, HALF_LIFE, self._free)
         self.guesses = _Guesses(self._fill, self._checked_when_read, self._give)
         self._routers: dict[int, torch.Tensor] = {}   # each block's router weight, kept (float32) at its first run
+        self._entering = _Entering()   # what the next block's router will see, as far as known (guesses)
         # the first block's router picks of its last pass and their weights (top_k_index, top_k_weights)
         self._first_picks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hooks = []
@@ -234,6 +237,7 @@ class OnDemandExperts:
             router = getattr(model.get_submodule(prefix.rpartition(".")[0]), "gate", None)
             if isinstance(getattr(router, "weight", None), torch.Tensor) and router.weight.dim() == 2:
                 self._hooks.append(router.register_forward_pre_hook(functools.partial(self._keep_router, layer)))
+            self._hooks += self._entering.watch(layer, model, prefix)
         self.expert_bytes = max(self._held_bytes(r.tensors, self._blocks[r.group].dtype) for r in mine)
         order = sorted(self._blocks)
         self._first_block = order[0]
@@ -313,7 +317,7 @@ class OnDemandExperts:
         in the order their weights are at hand, those held first, then the right guesses, then the reads in
         expert order, so that none waits behind a read; their outputs are added in expert order
         (`_InExpertOrder`), transformers' sums. Once this block's reads leave room, the next block's likely
-        experts are read into it (`_guessed`)."""
+        experts are read into it (`_guessed`, from the outputs multiplied by then)."""
         block = self._blocks[layer]
         self.cache.tick(layer)
         routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
@@ -328,7 +332,8 @@ class OnDemandExperts:
         if layer == self._first_block:
             self._first_picks = (top_k_index, top_k_weights)
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
-        ahead = self._guessed(layer, hidden_states, top_k_index.shape[-1]) if room else None
+        mid = self._entering.residual(layer)
+        ahead = None
         try:
             for expert in [*(e for e in routed if e in pinned), *missing]:
                 loaded = held[expert]
@@ -336,28 +341,37 @@ class OnDemandExperts:
                     loaded = reads.take()
                     self.loads += 1
                     self.bytes_read += loaded.read_bytes
-                if ahead and reads.done:   # the disk is the guesses' once this block's reads are done
-                    self.guesses.start(threads, *ahead, room)
+                if room and ahead is None and reads.done:   # the disk is the guesses' once this block's reads are done
+                    ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]) or ()
+                    if ahead:
+                        self.guesses.start(threads, *ahead, room)
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
                 # experts held for this pass stay until it ends: their buffers are still to be multiplied from
                 if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
+            if room and ahead is None:   # no expert routed here
+                ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1])
             if ahead:
                 self.guesses.start(threads, *ahead, room)
         finally:
             reads.close()
         return out.total
 
-    def _guessed(self, layer: int, hidden_states: torch.Tensor, top_k: int) -> tuple[int, list[int]] | None:
+    def _guessed(self, layer: int, hidden_states: torch.Tensor, mid: torch.Tensor | None, out: _InExpertOrder,
+                 top_k: int) -> tuple[int, list[int]] | None:
         """The block to read ahead for after `layer`, and its experts not held, the likeliest first (`_ranked`):
-        those the next block's router picks for this block's `hidden_states` (its `top_k` a token); after the
-        last block, the first one's picks of its last pass. None when nothing can be guessed."""
+        those the next block's router picks (its `top_k` a token) for the hidden state that will enter it, as far
+        as known (`_Entering.state`: the residual stream `mid` plus the experts' outputs in `out` so far; without
+        them, this block's `hidden_states`); after the last block, the first one's picks of its last pass. None
+        when nothing can be guessed."""
         upcoming = self._next[layer]
         if upcoming > layer:
             weight = self._routers.get(upcoming)
             if weight is None:
                 return None
-            weights, picks = torch.topk(functional.linear(hidden_states.float(), weight).softmax(-1), top_k, dim=-1)
+            state = self._entering.state(upcoming, mid, out.so_far())
+            state = hidden_states.float() if state is None else state
+            weights, picks = torch.topk(functional.linear(state, weight).softmax(-1), top_k, dim=-1)
             likely = _ranked(picks - self._first, weights, self._blocks[upcoming].count)
         else:
             picked = self._first_picks
@@ -612,6 +626,47 @@ def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: 
                                and dims == 2)
 
 
+class _Entering:
+    """What a block's router will see, as far as it is known while the block before it still runs: that
+    block's residual stream (the input of its post-attention norm, kept for the pass: `residual`) plus its
+    experts' outputs so far, through this block's post-attention norm (an RMS norm, its weight kept at its
+    first run, as the router's: the block may be streamed). Blocks without such a norm guess from the block
+    before's own router input."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[int, torch.Tensor] = {}
+        self._norms: dict[int, tuple[torch.Tensor, float]] = {}   # float32 weight, epsilon
+
+    def watch(self, layer: int, model: nn.Module, prefix: str) -> list:
+        """Hooks on the post-attention norm of the decoder layer holding the experts module `prefix` (none
+        where it has no RMS norm)."""
+        decoder = model.get_submodule(prefix.rpartition(".")[0].rpartition(".")[0])
+        norm = getattr(decoder, "post_attention_layernorm", None)
+        if not isinstance(getattr(norm, "weight", None), torch.Tensor) \
+                or not isinstance(getattr(norm, "variance_epsilon", None), float):
+            return []
+        return [norm.register_forward_pre_hook(functools.partial(self._keep, layer))]
+
+    def _keep(self, layer: int, norm: nn.Module, args) -> None:
+        self._residuals[layer] = args[0]
+        if layer not in self._norms and norm.weight.device.type != "meta":
+            self._norms[layer] = (norm.weight.detach().float().clone(), norm.variance_epsilon)
+
+    def residual(self, layer: int) -> torch.Tensor | None:
+        """Block `layer`'s residual stream of this pass, let go of (it is the pass's to keep)."""
+        return self._residuals.pop(layer, None)
+
+    def state(self, upcoming: int, residual: torch.Tensor | None, outputs: torch.Tensor) -> torch.Tensor | None:
+        """Block `upcoming`'s router input as far as known: `residual` plus `outputs`, normed (float32; one row a
+        token); None without the residual or the norm."""
+        norm = self._norms.get(upcoming)
+        if residual is None or norm is None:
+            return None
+        weight, epsilon = norm
+        state = residual.reshape(outputs.shape).float() + outputs.float()
+        return state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + epsilon) * weight
+
+
 class _InExpertOrder:
     """The experts' outputs summed into `total` in expert order, as transformers sums them (so the same bits),
     whichever order they are multiplied in: an output that comes before a lower expert's waits for it."""
@@ -626,6 +681,15 @@ class _InExpertOrder:
         while self._order and self._order[0] in self._waiting:
             token_idx, hidden = self._waiting.pop(self._order.popleft())
             self.total.index_add_(0, token_idx, hidden.to(self.total.dtype))
+
+    def so_far(self) -> torch.Tensor:
+        """The outputs multiplied so far, those waiting for a lower expert's too."""
+        if not self._waiting:
+            return self.total
+        partial = self.total.clone()
+        for token_idx, hidden in self._waiting.values():
+            partial.index_add_(0, token_idx, hidden.to(partial.dtype))
+        return partial
 
 
 def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
