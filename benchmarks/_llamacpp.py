@@ -154,10 +154,12 @@ def sentencepiece_tokenizer(python: Path, out: Path) -> None:
 def convert(cache: Path, binaries: Path, checkpoint: Path, out: Path,
             types: tuple[str, ...] = GGUF_TYPES) -> dict[str, Path]:
     """The checkpoint as GGUF files of `types` (bf16 from the converter, the others quantized from it), made once
-    each. The converter reads a folder of links to the checkpoint's files beside a tokenizer.model of its own."""
+    each: once the quantized ones are made, the bf16 one is needed only where `types` names it (delete it to
+    save the disk). The converter reads a folder of links to the checkpoint's files beside a tokenizer.model
+    of its own."""
     files = {kind: out / f"model-{kind}.gguf" for kind in ("bf16", *types)}
-    if all(f.exists() for f in files.values()):
-        return files
+    if all(files[kind].exists() for kind in types):
+        return {kind: files[kind] for kind in types}
     tree = source(cache)
     python, view = converter(cache, tree), out / "checkpoint"
     view.mkdir(parents=True, exist_ok=True)
