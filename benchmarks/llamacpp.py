@@ -393,7 +393,9 @@ def main() -> None:
                              "does (default: random for an MoE shape, greedy otherwise)")
     parser.add_argument("--repack", default="1", choices=("1", "0", "1,0"),
                         help="llama-bench's --repack for quantized GGUF types (1: its default, quantized weights in "
-                             "its AMX or repacked buffers; 0: as stored, mapped; 1,0: both)")
+                             "its AMX or repacked buffers; 0: as stored, mapped; 1,0: both). Under a cap the "
+                             "repacked weights do not fit (Mixtral's shape at 4 blocks under 2000M), 1 is killed or "
+                             "runs past --timeout: 0 is the one that runs there")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every setting, interleaved")
     parser.add_argument("--workdir", default="artifacts/bench-llamacpp",
                         help="checkpoint, stores, GGUF files and the llama.cpp build (llama.cpp/), all reused")
