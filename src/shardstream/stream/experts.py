@@ -333,7 +333,13 @@ class OnDemandExperts:
             self._first_picks = (top_k_index, top_k_weights)
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         mid = self._entering.residual(layer)
-        ahead = None
+        guessed = not room
+
+        def guess() -> None:   # once, from the outputs multiplied by then
+            ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1])
+            if ahead:
+                self.guesses.start(threads, *ahead, room)
+
         try:
             for expert in [*(e for e in routed if e in pinned), *missing]:
                 loaded = held[expert]
@@ -341,18 +347,15 @@ class OnDemandExperts:
                     loaded = reads.take()
                     self.loads += 1
                     self.bytes_read += loaded.read_bytes
-                if room and ahead is None and reads.done:   # the disk is the guesses' once this block's reads are done
-                    ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]) or ()
-                    if ahead:
-                        self.guesses.start(threads, *ahead, room)
+                if not guessed and reads.done:   # the disk is the guesses' once this block's reads are done
+                    guess()
+                    guessed = True
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
                 # experts held for this pass stay until it ends: their buffers are still to be multiplied from
                 if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
-            if room and ahead is None:   # no expert routed here
-                ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1])
-            if ahead:
-                self.guesses.start(threads, *ahead, room)
+            if not guessed:   # no expert routed here
+                guess()
         finally:
             reads.close()
         return out.total
