@@ -619,3 +619,42 @@ def test_guesses_see_the_next_blocks_router_input_as_far_as_known(placed):
     out = _InExpertOrder(torch.zeros(2, 3), [0, 1])
     out.add(1, torch.tensor([0]), torch.ones(1, 3))
     assert out.total.abs().sum() == 0 and torch.equal(out.so_far(), torch.tensor([[1.0] * 3, [0.0] * 3]))
+
+
+def test_decode_guesses_add_the_next_blocks_attention_output_of_the_token_before(placed):
+    """In a decode step the next block's attention output is not known yet; its output for the token before
+    stands in for it. With that output the same at every step, the guess is the router's input exactly; a
+    pass of many rows (a prompt) has no row of the pass before to add."""
+    import copy
+
+    from shardstream.stream.experts import _Entering
+
+    reference = copy.deepcopy(placed[0])
+    layers = reference.model.layers
+    fixed = torch.randn(reference.config.hidden_size, generator=torch.Generator().manual_seed(7))
+
+    def attend_fixed(module, args, out):   # block 1's attention writes the same vector for every token
+        return (fixed.to(out[0].dtype).expand_as(out[0]).clone(), *out[1:])
+
+    hooks = [layers[1].self_attn.register_forward_hook(attend_fixed)]
+    entering = _Entering()
+    hooks += [*entering.watch(0, reference, "model.layers.0.mlp.experts"),
+              *entering.watch(1, reference, "model.layers.1.mlp.experts")]
+    seen = {}
+    hooks.append(layers[0].mlp.register_forward_hook(lambda module, args, out: seen.update(outputs=out)))
+    hooks.append(layers[1].mlp.gate.register_forward_pre_hook(lambda module, args: seen.update(router=args[0])))
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+
+    def guessed() -> tuple[torch.Tensor, torch.Tensor]:
+        residual = entering.residual(0)
+        return entering.state(1, residual, seen["outputs"].reshape(-1, residual.shape[-1])), seen["router"].float()
+
+    with torch.no_grad():
+        past = reference(ids, use_cache=True).past_key_values
+        prompt_state, prompt_router = guessed()
+        reference(ids[:, -1:], past_key_values=past, use_cache=True)
+        step_state, step_router = guessed()
+    for hook in hooks:
+        hook.remove()
+    assert not torch.allclose(prompt_state, prompt_router, atol=1e-3)   # the prompt's pass: no attention term
+    assert torch.allclose(step_state, step_router, atol=1e-5)

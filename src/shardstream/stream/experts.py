@@ -21,9 +21,9 @@ Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's ow
 no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
 but one read's, so that a pass can always read the expert it multiplies next): those its router
 picks for the hidden state as it will enter it, as far as it is known then: this block's residual stream
-plus the outputs of the experts it has multiplied so far, through the next block's norm (the next block's
-attention adds little to the residual stream; `_Entering`), and for the first block, those it picked for
-the token before. A guess's bytes are read but
+plus the outputs of the experts it has multiplied so far plus the next block's attention output for the token
+before, through the next block's norm (`_Entering`), and for the first block, those it picked for the token
+before. A guess's bytes are read but
 not checked. When the next block routes, a right guess is its read, already in flight or done, checked on a
 reading thread; a wrong one is stopped within one request (direct_io.stop_piece) and its buffer goes back, having cost
 its bytes and no CPU. Guesses use only the room the reads already have, so the memory is the same.
@@ -632,41 +632,56 @@ def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: 
 class _Entering:
     """What a block's router will see, as far as it is known while the block before it still runs: that
     block's residual stream (the input of its post-attention norm, kept for the pass: `residual`) plus its
-    experts' outputs so far, through this block's post-attention norm (an RMS norm, its weight kept at its
-    first run, as the router's: the block may be streamed). Blocks without such a norm guess from the block
-    before's own router input."""
+    experts' outputs so far, plus this block's attention output of the pass before (a sequence's last row:
+    from one token to the next a block's attention output changes less than it weighs), through this block's
+    post-attention norm (an RMS norm, its weight kept at its first run, as the router's: the block may be
+    streamed). Blocks without such a norm guess from the block before's own router input."""
 
     def __init__(self) -> None:
         self._residuals: dict[int, torch.Tensor] = {}
+        self._attended: dict[int, torch.Tensor] = {}   # each block's attention output of its last pass, last rows
         self._norms: dict[int, tuple[torch.Tensor, float]] = {}   # float32 weight, epsilon
 
     def watch(self, layer: int, model: nn.Module, prefix: str) -> list:
-        """Hooks on the post-attention norm of the decoder layer holding the experts module `prefix` (none
-        where it has no RMS norm)."""
+        """Hooks on the post-attention norm and the attention of the decoder layer holding the experts module
+        `prefix` (none where it has no RMS norm)."""
         decoder = model.get_submodule(prefix.rpartition(".")[0].rpartition(".")[0])
         norm = getattr(decoder, "post_attention_layernorm", None)
         if not isinstance(getattr(norm, "weight", None), torch.Tensor) \
                 or not isinstance(getattr(norm, "variance_epsilon", None), float):
             return []
-        return [norm.register_forward_pre_hook(functools.partial(self._keep, layer))]
+        hooks = [norm.register_forward_pre_hook(functools.partial(self._keep, layer))]
+        attention = getattr(decoder, "self_attn", None)
+        if isinstance(attention, nn.Module):
+            hooks.append(attention.register_forward_hook(functools.partial(self._keep_attended, layer)))
+        return hooks
 
     def _keep(self, layer: int, norm: nn.Module, args) -> None:
         self._residuals[layer] = args[0]
         if layer not in self._norms and norm.weight.device.type != "meta":
             self._norms[layer] = (norm.weight.detach().float().clone(), norm.variance_epsilon)
 
+    def _keep_attended(self, layer: int, attention: nn.Module, args, output) -> None:
+        attended = output[0] if isinstance(output, tuple) else output
+        if isinstance(attended, torch.Tensor) and attended.dim() == 3:   # batch x sequence x hidden
+            self._attended[layer] = attended[:, -1].detach().float()
+
     def residual(self, layer: int) -> torch.Tensor | None:
         """Block `layer`'s residual stream of this pass, let go of (it is the pass's to keep)."""
         return self._residuals.pop(layer, None)
 
     def state(self, upcoming: int, residual: torch.Tensor | None, outputs: torch.Tensor) -> torch.Tensor | None:
-        """Block `upcoming`'s router input as far as known: `residual` plus `outputs`, normed (float32; one row a
-        token); None without the residual or the norm."""
+        """Block `upcoming`'s router input as far as known: `residual` plus `outputs`, plus its attention output
+        of the pass before where that pass had a row for each of these (a decode step's one token a sequence),
+        normed (float32; one row a token); None without the residual or the norm."""
         norm = self._norms.get(upcoming)
         if residual is None or norm is None:
             return None
         weight, epsilon = norm
         state = residual.reshape(outputs.shape).float() + outputs.float()
+        attended = self._attended.get(upcoming)
+        if attended is not None and attended.shape == state.shape:
+            state += attended
         return state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + epsilon) * weight
 
 
