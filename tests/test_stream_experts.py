@@ -652,6 +652,8 @@ def test_decode_guesses_add_the_next_blocks_attention_output_of_the_token_before
     with torch.no_grad():
         past = reference(ids, use_cache=True).past_key_values
         prompt_state, prompt_router = guessed()
+        kept = entering._attended[1]   # the prompt's last row only, not its whole output
+        assert kept.shape == (1, reference.config.hidden_size) and kept.untyped_storage().nbytes() == kept.numel() * 4
         reference(ids[:, -1:], past_key_values=past, use_cache=True)
         step_state, step_router = guessed()
     for hook in hooks:

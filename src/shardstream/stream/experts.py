@@ -664,7 +664,8 @@ class _Entering:
     def _keep_attended(self, layer: int, attention: nn.Module, args, output) -> None:
         attended = output[0] if isinstance(output, tuple) else output
         if isinstance(attended, torch.Tensor) and attended.dim() == 3:   # batch x sequence x hidden
-            self._attended[layer] = attended[:, -1].detach().float()
+            # a copy: a view of the last rows would keep a whole prompt's output alive
+            self._attended[layer] = attended[:, -1].detach().to(torch.float32, copy=True)
 
     def residual(self, layer: int) -> torch.Tensor | None:
         """Block `layer`'s residual stream of this pass, let go of (it is the pass's to keep)."""
