@@ -17,9 +17,10 @@ that routes to it; its later reads are checked by their length only: hashing eve
 beside the read and slows it. A Mixtral-8x7B block (2.8 GB of experts in bf16) runs in the memory of one
 expert read and, with `read_ahead`, the next.
 
-Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads are done (so that
-no guess slows them), the experts the next block will likely pick are read into the reads' room (all of it
-but one read's, so that a pass can always read the expert it multiplies next): those its router
+Reads also start ahead of the router (`guessing`, `_Guesses`): once a block's own reads have landed (so that
+no guess slows them) and one of its experts has multiplied, the experts the next block will likely pick are
+read into the reads' room (all of it but one read's, so that a pass can always read the expert it multiplies
+next; less the reads landed and not yet multiplied, topped up as they multiply): those its router
 picks for the hidden state as it will enter it, as far as it is known then: this block's residual stream
 plus the outputs of the experts it has multiplied so far plus the next block's attention output for the token
 before, through the next block's norm (`_Entering`), and for the first block, those it picked for the token
@@ -316,8 +317,9 @@ class OnDemandExperts:
         read ahead while one multiplies: `_Reads`; a right guess's read already started). The experts multiply
         in the order their weights are at hand, those held first, then the right guesses, then the reads in
         expert order, so that none waits behind a read; their outputs are added in expert order
-        (`_InExpertOrder`), transformers' sums. Once this block's reads leave room, the next block's likely
-        experts are read into it (`_guessed`, from the outputs multiplied by then)."""
+        (`_InExpertOrder`), transformers' sums. Once this block's reads have all landed and an expert has
+        multiplied, the next block's likely experts (`_guessed`, ranked once, from the outputs multiplied by then)
+        are read into the room that the reads not yet multiplied leave, topped up as they multiply."""
         block = self._blocks[layer]
         self.cache.tick(layer)
         routed = [e for e in top_k_index.unique().tolist() if e < block.count]   # count: "no expert"
@@ -333,28 +335,29 @@ class OnDemandExperts:
             self._first_picks = (top_k_index, top_k_weights)
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         mid = self._entering.residual(layer)
-        guessed = not room
+        ahead: list = []   # the next block and its likely experts, ranked once
 
-        def guess() -> None:   # once, from the outputs multiplied by then
-            ahead = self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1])
-            if ahead:
-                self.guesses.start(threads, *ahead, room)
+        def guess() -> None:
+            """Read ahead for the next block into the room this pass's reads not yet multiplied leave."""
+            if not ahead:
+                ahead.append(self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]))
+            if ahead[0] and room > reads.in_flight:
+                self.guesses.start(threads, *ahead[0], room - reads.in_flight)
 
         try:
-            for expert in [*(e for e in routed if e in pinned), *missing]:
+            for number, expert in enumerate([*(e for e in routed if e in pinned), *missing]):
                 loaded = held[expert]
                 if loaded is None:
                     loaded = reads.take()
                     self.loads += 1
                     self.bytes_read += loaded.read_bytes
-                if not guessed and reads.done:   # the disk is the guesses' once this block's reads are done
+                if room and number and reads.landed:   # the disk is the guesses' once this block's reads landed
                     guess()
-                    guessed = True
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
                 # experts held for this pass stay until it ends: their buffers are still to be multiplied from
                 if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
-            if not guessed:   # no expert routed here
+            if room:
                 guess()
         finally:
             reads.close()
@@ -500,9 +503,9 @@ class _Reads:
         return len(self._pending) + len(self._started)
 
     @property
-    def done(self) -> bool:
-        """Whether every read has been taken."""
-        return not self._todo and not self.in_flight
+    def landed(self) -> bool:
+        """Whether every read has been begun and has landed (taken or not)."""
+        return not self._todo and all(read.done() for read in (*self._pending, *self._started.values()))
 
     def _top_up(self, in_flight: int) -> None:
         while self._todo and (self._todo[0] in self._started or self.in_flight < in_flight):
