@@ -498,16 +498,12 @@ def test_experts_read_ahead_of_the_router_are_used_or_stopped(family_placed, fil
 
 
 def test_a_read_ahead_of_the_router_stops_between_pieces(tmp_path, monkeypatch):
-    """A stoppable expert read asks for a piece at a time (an eighth of it, within STOP_PIECE / 8 and STOP_PIECE)
-    and ends before the first piece after it is stopped, by O_DIRECT or by plain reads, saying how much it had
-    read; kept, it reads the rest of the expert in one request."""
+    """A stoppable expert read asks for STOP_PIECE bytes at a time and ends before the first piece after it is
+    stopped, by O_DIRECT or by plain reads, saying how much it had read; kept, it reads the rest of the expert
+    in one request."""
     import shardstream.store.direct_io as direct_io
 
-    assert direct_io.stop_piece(352 << 20) == direct_io.STOP_PIECE   # a large expert: whole STOP_PIECE requests
-    assert direct_io.stop_piece(3 << 20) == direct_io.STOP_PIECE // 8   # a small one: an eighth of STOP_PIECE
-    mid = direct_io.stop_piece(10 << 20)   # between: an eighth of the read, in whole pages
-    assert mid % direct_io.ALIGN == 0 and (10 << 20) // 8 - direct_io.ALIGN < mid <= (10 << 20) // 8
-    monkeypatch.setattr(direct_io, "STOP_PIECE", 8 * 4096)
+    monkeypatch.setattr(direct_io, "STOP_PIECE", 4096)
     _, store = _store(tmp_path)
     index = load_index(store)
     expert = Expert(store, index, next(iter(index.experts.values())))
@@ -521,10 +517,10 @@ def test_a_read_ahead_of_the_router_stops_between_pieces(tmp_path, monkeypatch):
             super().__init__()
             self.pieces, self.keep, self.asked = pieces, keep, []
 
-        def piece(self, usual: int, done: int, total: int) -> int:
+        def piece(self, usual: int, done: int) -> int:
             if len(self.asked) == self.pieces:
                 self.stopped, self.kept = not self.keep, self.keep
-            self.asked.append(super().piece(usual, done, total))
+            self.asked.append(super().piece(usual, done))
             return self.asked[-1]
 
     for buffer, drop in ((read_buffer(aligned(size)), True), (bytearray(size), False)):

@@ -2,7 +2,7 @@
 experts (sharding.Expert.fill: one read each, at its aligned offset in its container): where a
 filesystem or a buffer refuses O_DIRECT, one exception says so, and the caller reads another way. A read
 that may be stopped halfway (an expert read ahead of its router, which may not pick it) is requested in
-pieces (`stop_piece`) until it is stopped or kept (`Stoppable`)."""
+STOP_PIECE pieces until it is stopped or kept (`Stoppable`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import os
 from collections.abc import Callable
 
 ALIGN = 4096  # O_DIRECT wants buffer address, file offset and length aligned to the logical block size
-# A stoppable read's largest request: a stop waits for one request at most, and smaller requests read a fast
-# disk more slowly than whole ones (docs/BENCHMARKS.md, "Guesses from the residual stream"). A smaller read asks
-# for a STOP_SHARE-th of itself at a time (STOP_PIECE // STOP_SHARE at least), or it would be read whole before
-# a stop could end it.
+# A stoppable read's request size: a stop waits for one request at most, and smaller requests read a fast disk
+# more slowly than whole ones, a right guess's too (docs/BENCHMARKS.md, "Guesses from the residual stream" and
+# "Guesses once the block's reads have landed"). A read smaller than this is one request: only a stop before
+# it begins saves its bytes.
 STOP_PIECE = 8 << 20
-STOP_SHARE = 8
 # a request's size where each piece is handed on as it lands (`landed`): the last one is what is left to
 # handle once the read ends
 LANDED_PIECE = 32 << 20
@@ -36,25 +35,18 @@ class ReadStopped(Exception):
 
 class Stoppable:
     """Lets another thread end a read before its next request (`stopped`), or, once it is sure to be wanted,
-    let it go on in its usual requests (`kept`); until either, it asks for a piece at a time (`stop_piece`), so
-    that a stop waits for one such request at most."""
+    let it go on in its usual requests (`kept`); until either, it asks for STOP_PIECE bytes at a time, so that
+    a stop waits for one such request at most."""
 
     def __init__(self) -> None:
         self.stopped = False
         self.kept = False
 
-    def piece(self, usual: int, done: int, total: int) -> int:
-        """The size of the next request of a read of `total` bytes, `done` bytes into it; ReadStopped once
-        stopped."""
+    def piece(self, usual: int, done: int) -> int:
+        """The size of the read's next request, `done` bytes into it; ReadStopped once stopped."""
         if self.stopped:
             raise ReadStopped(done)
-        return usual if self.kept else stop_piece(total)
-
-
-def stop_piece(total: int) -> int:
-    """The request size of a stoppable read of `total` bytes: a STOP_SHARE-th of it in whole pages, within
-    STOP_PIECE // STOP_SHARE and STOP_PIECE."""
-    return min(STOP_PIECE, max(total // STOP_SHARE // ALIGN * ALIGN, STOP_PIECE // STOP_SHARE))
+        return usual if self.kept else STOP_PIECE
 
 
 def aligned(offset: int) -> int:
@@ -80,7 +72,7 @@ def read_at(fd: int, path, view: memoryview, offset: int, stop: Stoppable | None
     done = 0
     while done < len(view):
         usual = len(view) - done if landed is None else min(len(view) - done, LANDED_PIECE)
-        piece = usual if stop is None else stop.piece(usual, done, len(view))
+        piece = usual if stop is None else stop.piece(usual, done)
         try:
             got = os.preadv(fd, [view[done:done + piece]], offset + done)
         except OSError as error:

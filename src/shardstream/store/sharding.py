@@ -201,7 +201,7 @@ def _read_plain(path: Path, view: memoryview, offset: int, drop: bool, stop: Sto
         handle.seek(offset)
         done = 0
         while done < len(view):
-            piece = READ_CHUNK if stop is None else stop.piece(READ_CHUNK, done, len(view))
+            piece = READ_CHUNK if stop is None else stop.piece(READ_CHUNK, done)
             got = handle.readinto(view[done:done + piece])
             if not got:
                 break

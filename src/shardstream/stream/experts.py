@@ -26,7 +26,7 @@ plus the outputs of the experts it has multiplied so far plus the next block's a
 before, through the next block's norm (`_Entering`), and for the first block, those it picked for the token
 before. A guess's bytes are read but
 not checked. When the next block routes, a right guess is its read, already in flight or done, checked on a
-reading thread; a wrong one is stopped within one request (direct_io.stop_piece) and its buffer goes back, having cost
+reading thread; a wrong one is stopped within one request (direct_io.STOP_PIECE) and its buffer goes back, having cost
 its bytes and no CPU. Guesses use only the room the reads already have, so the memory is the same.
 """
 
