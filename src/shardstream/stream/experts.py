@@ -335,14 +335,13 @@ class OnDemandExperts:
             self._first_picks = (top_k_index, top_k_weights)
         room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
         mid = self._entering.residual(layer)
-        ahead: list = []   # the next block and its likely experts, ranked once
+        # the next block and its likely experts, ranked once, from the outputs multiplied by then
+        ahead = functools.cache(lambda: self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]))
 
         def guess() -> None:
             """Read ahead for the next block into the room this pass's reads not yet multiplied leave."""
-            if not ahead:
-                ahead.append(self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]))
-            if ahead[0] and room > reads.in_flight:
-                self.guesses.start(threads, *ahead[0], room - reads.in_flight)
+            if room and ahead() and room > reads.in_flight:
+                self.guesses.start(threads, *ahead(), room - reads.in_flight)
 
         try:
             for number, expert in enumerate([*(e for e in routed if e in pinned), *missing]):
@@ -351,14 +350,13 @@ class OnDemandExperts:
                     loaded = reads.take()
                     self.loads += 1
                     self.bytes_read += loaded.read_bytes
-                if room and number and reads.landed:   # the disk is the guesses' once this block's reads landed
+                if number and reads.landed:   # the disk is the guesses' once this block's reads landed
                     guess()
                 _multiply(block, loaded.weights, expert, hidden_states, top_k_index, top_k_weights, out)
                 # experts held for this pass stay until it ends: their buffers are still to be multiplied from
                 if held[expert] is None and not self.cache.offer(layer, expert, loaded, loaded.nbytes, pinned):
                     self._free(loaded)
-            if room:
-                guess()
+            guess()
         finally:
             reads.close()
         return out.total
@@ -686,7 +684,7 @@ class _Entering:
         attended = self._attended.get(upcoming)
         if attended is not None and attended.shape == state.shape:
             state += attended
-        return state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + epsilon) * weight
+        return functional.rms_norm(state, weight.shape, weight, epsilon)
 
 
 class _InExpertOrder:
