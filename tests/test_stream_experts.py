@@ -3,6 +3,7 @@ so do tiny Qwen2-MoE and Qwen3-MoE, their experts on one tier)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -581,24 +582,30 @@ def test_guesses_rank_experts_by_their_routing_weight():
     assert _ranked(torch.tensor([[4, 0]]), torch.tensor([[1.0, 0.0]]), 8) == [4, 0]   # picked with no weight: last
 
 
+def _watched(reference) -> tuple:
+    """An `_Entering` watching blocks 0 and 1 of `reference`, a dict its hooks fill with block 0's experts'
+    outputs (`outputs`) and block 1's router input (`router`), and the hooks to remove."""
+    from shardstream.stream.experts import _Entering
+
+    entering, seen, layers = _Entering(), {}, reference.model.layers
+    hooks = [*entering.watch(0, reference, "model.layers.0.mlp.experts"),
+             *entering.watch(1, reference, "model.layers.1.mlp.experts"),
+             layers[0].mlp.register_forward_hook(lambda module, args, out: seen.update(outputs=out)),
+             layers[1].mlp.gate.register_forward_pre_hook(lambda module, args: seen.update(router=args[0]))]
+    return entering, seen, hooks
+
+
 def test_guesses_see_the_next_blocks_router_input_as_far_as_known(placed):
     """The next block's router is run on this block's residual stream plus the experts' outputs so far, through
     the next block's post-attention norm: with the next block's attention writing nothing, that is exactly its
     router's input once every output is in. An output waiting for a lower expert's counts."""
-    import copy
-
-    from shardstream.stream.experts import _Entering, _InExpertOrder
+    from shardstream.stream.experts import _InExpertOrder
 
     reference = copy.deepcopy(placed[0])
     layers = reference.model.layers
     with torch.no_grad():
         layers[1].self_attn.o_proj.weight.zero_()
-    entering = _Entering()
-    hooks = [*entering.watch(0, reference, "model.layers.0.mlp.experts"),
-             *entering.watch(1, reference, "model.layers.1.mlp.experts")]
-    seen = {}
-    hooks.append(layers[0].mlp.register_forward_hook(lambda module, args, out: seen.update(outputs=out)))
-    hooks.append(layers[1].mlp.gate.register_forward_pre_hook(lambda module, args: seen.update(router=args[0])))
+    entering, seen, hooks = _watched(reference)
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         reference(ids)
@@ -621,10 +628,6 @@ def test_decode_guesses_add_the_next_blocks_attention_output_of_the_token_before
     """In a decode step the next block's attention output is not known yet; its output for the token before
     stands in for it. With that output the same at every step, the guess is the router's input exactly; a
     pass of many rows (a prompt) has no row of the pass before to add."""
-    import copy
-
-    from shardstream.stream.experts import _Entering
-
     reference = copy.deepcopy(placed[0])
     layers = reference.model.layers
     fixed = torch.randn(reference.config.hidden_size, generator=torch.Generator().manual_seed(7))
@@ -632,13 +635,9 @@ def test_decode_guesses_add_the_next_blocks_attention_output_of_the_token_before
     def attend_fixed(module, args, out):   # block 1's attention writes the same vector for every token
         return (fixed.to(out[0].dtype).expand_as(out[0]).clone(), *out[1:])
 
-    hooks = [layers[1].self_attn.register_forward_hook(attend_fixed)]
-    entering = _Entering()
-    hooks += [*entering.watch(0, reference, "model.layers.0.mlp.experts"),
-              *entering.watch(1, reference, "model.layers.1.mlp.experts")]
-    seen = {}
-    hooks.append(layers[0].mlp.register_forward_hook(lambda module, args, out: seen.update(outputs=out)))
-    hooks.append(layers[1].mlp.gate.register_forward_pre_hook(lambda module, args: seen.update(router=args[0])))
+    fixing = layers[1].self_attn.register_forward_hook(attend_fixed)   # before the watch's: it sees the fixed output
+    entering, seen, hooks = _watched(reference)
+    hooks.append(fixing)
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(5))
 
     def guessed() -> tuple[torch.Tensor, torch.Tensor]:
