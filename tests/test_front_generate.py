@@ -125,22 +125,34 @@ def test_a_prompt_that_is_not_utf8_is_one_line_and_exit_1(tiny):
         "first (iconv -t UTF-8)."]
 
 
-def test_a_store_without_tokenizer_files_is_one_line_and_exit_1(tmp_path):
+@pytest.mark.parametrize("command", [
+    ["generate", "--prompt", "hi"],
+    ["generate", "--prompts-file", "PROMPTS", "--output", "ANSWERS"],
+    ["serve", "--port", "0"],
+    ["generate", "--prompt", "hi", "--tensor-parallel"],
+    ["serve", "--port", "0", "--tensor-parallel"],
+])
+def test_a_store_without_tokenizer_files_is_one_line_and_exit_1_before_loading(tmp_path, command):
     """transformers builds an empty tokenizer from a folder with none of its files (a checkpoint written
-    without them, as scripts/real_shapes.py writes), and its empty prompt was a reshape traceback."""
+    without them, as scripts/real_shapes.py writes), and its empty prompt was a reshape traceback. The
+    commands that need text say so before the model loads: with a block's file gone too, the tokenizer is
+    what they name, and the model's compute dtype (said as it loads) is never said."""
     from shardstream.convert import convert
     from tiny_models import save_checkpoint
 
     save_checkpoint("qwen2", tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
-    shardstream = warm_python.SCRIPT
-    done = warm_python.run([shardstream, "generate", str(tmp_path / "store"), "--prompt", "hi", "--no-progress"],
-                           capture_output=True, text=True, timeout=120)
+    store = tmp_path / "store"
+    convert(tmp_path / "ckpt", store, progress=False)
+    (store / "mid" / "0" / "weights.safetensors").unlink()
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    names = {"PROMPTS": str(tmp_path / "prompts.txt"), "ANSWERS": str(tmp_path / "answers.jsonl")}
+    done = warm_python.run([warm_python.SCRIPT, command[0], str(store), *(names.get(a, a) for a in command[1:]),
+                            "--no-progress"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"error: the store at {tmp_path / 'store'} has no usable tokenizer files (none of tokenizer.json, "
+    assert done.stderr.strip().splitlines() == [
+        f"error: the store at {store} has no usable tokenizer files (none of tokenizer.json, "
         "vocab.json, vocab.txt, tokenizer.model, spiece.model); copy tokenizer.json and tokenizer_config.json "
-        "from the checkpoint into it.")
+        "from the checkpoint into it."]
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,9 @@ def serve_command(
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     endpoint = Endpoint(host, port, model_names(model_name, source), max_batch_size, api_key,
                         read_template(chat_template), parse_size(max_request_size, "--max-request-size"), quiet)
+    from ..serving.text import check_tokenizer_files
+
+    check_tokenizer_files(source)
     if tensor_parallel:
         timeout = TP_TIMEOUT_S if tp_timeout is None else tp_timeout
         from .tp_serve import serve_tp

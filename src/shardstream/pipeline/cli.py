@@ -254,7 +254,7 @@ def coordinator_command(
     """Plan the model over the agents; with --package, --generate or --serve-port also deploy and run it."""
     from ..store import open_store
     from ..serving.endpoint import read_template
-    from ..serving.text import generate_one, load_tokenizer
+    from ..serving.text import check_tokenizer_files, generate_one, load_tokenizer
     from .client import AgentClient
     from .coordinator import Coordinator
     from .discovery import advertise_host
@@ -270,6 +270,8 @@ def coordinator_command(
             + (f" (none answered mDNS within {discover:g} s)." if discover else ".")
         )
     store = open_store(model)
+    if generate or serving.serve_port is not None:
+        check_tokenizer_files(store.root)
     coordinator = Coordinator(store, [AgentClient(u, token) for u in found], planning.options(store.root))
     try:
         serves = serving.serve_port is not None

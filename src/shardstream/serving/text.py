@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..errors import InvalidOption, StoreIncomplete
+from ..store.manifest import MANIFEST_NAME
 from .stops import stop_streamer
 
 
@@ -26,8 +27,7 @@ def load_tokenizer(model) -> PreTrainedTokenizerBase:
     """The tokenizer files the converter copied into the store of `model` (a streaming model or a pipeline:
     anything with a `store`)."""
     root = model.store.root
-    if isinstance(root, Path) and root.is_dir() and not any((root / name).is_file() for name in VOCABULARY_FILES):
-        _no_tokenizer(root, f"none of {', '.join(VOCABULARY_FILES)}")
+    check_tokenizer_files(root)
     try:
         tokenizer = AutoTokenizer.from_pretrained(root)
     except (OSError, ValueError) as error:
@@ -36,6 +36,15 @@ def load_tokenizer(model) -> PreTrainedTokenizerBase:
     # transformers' own "Token indices sequence length is longer..." warning would only come first.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
+
+
+def check_tokenizer_files(root: str | Path) -> None:
+    """Refuse a local store folder (`root`; a URL or Hub id passes) that holds none of VOCABULARY_FILES: the
+    commands that need text check this before loading the model, so that the missing files are said at once,
+    not after the load."""
+    root = Path(root)
+    if (root / MANIFEST_NAME).is_file() and not any((root / name).is_file() for name in VOCABULARY_FILES):
+        _no_tokenizer(root, f"none of {', '.join(VOCABULARY_FILES)}")
 
 
 def _no_tokenizer(root, why: str) -> NoReturn:
