@@ -138,7 +138,8 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path, 
 @needs_memcap
 def test_experts_on_demand_run_a_block_whose_experts_do_not_fit_the_cap(tmp_path):
     """A Mixtral block of 400 MB of experts under a 600 MiB cap: read with its block it is refused in one
-    sentence; read on demand its experts are read one at a time, with the tokens of the run without a cap."""
+    sentence that says how to read its experts on demand (placing them apart first, until they are); read on
+    demand its experts are read one at a time, with the tokens of the run without a cap."""
     config = AutoConfig.for_model("mixtral", hidden_size=256, intermediate_size=16384, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                                   num_experts_per_tok=2, vocab_size=128, max_position_embeddings=128)
@@ -152,11 +153,19 @@ def test_experts_on_demand_run_a_block_whose_experts_do_not_fit_the_cap(tmp_path
     with_block = subprocess.run([str(MEMCAP), "600M", "--", *generate], capture_output=True, text=True, timeout=300)
     warm_python.run([SHARDSTREAM, "shard", str(tmp_path / "store"), "--experts"], check=True, capture_output=True,
                     timeout=300)
+    placed_with_block = subprocess.run([str(MEMCAP), "600M", "--", *generate], capture_output=True, text=True,
+                                       timeout=300)
     on_demand = subprocess.run([str(MEMCAP), "600M", "--", *generate, "--experts", "on-demand"],
                                capture_output=True, text=True, timeout=300)
 
     assert free.returncode == 0, free.stderr[-2000:]
     assert with_block.returncode == 1 and "Traceback" not in with_block.stderr, with_block.stderr[-2000:]
     assert re.search(r"needs \d+ MiB at once \(model\.layers\.0\.mlp\.experts", with_block.stderr), with_block.stderr[-2000:]
+    how = "(`experts='on_demand'`, `--experts on-demand`), or stream a 4-bit store"
+    assert (f"more, place its experts apart (`shardstream shard {tmp_path / 'store'} --experts`) and read them on "
+            f"demand {how}") in with_block.stderr, with_block.stderr[-2000:]
+    assert placed_with_block.returncode == 1 and "Traceback" not in placed_with_block.stderr
+    assert f"more, read its experts on demand, one at a time {how}" in placed_with_block.stderr, \
+        placed_with_block.stderr[-2000:]
     assert on_demand.returncode == 0, on_demand.stderr[-2000:]
     assert on_demand.stdout == free.stdout

@@ -98,6 +98,18 @@ class ExpertSource:
     numbers: range | None = None
 
 
+def on_demand_advice(store: Store) -> str:
+    """What to tell whoever loads `store`'s experts with their blocks into too little memory ("" for a store
+    without experts): read them on demand, after placing them apart where `shard --experts` has not."""
+    how = "`experts='on_demand'`, `--experts on-demand`"
+    if load_index(store).experts:
+        return f"read its experts on demand, one at a time ({how}), "
+    if any(record.expert is not None for record in store.manifest.tensors.values()):
+        return (f"place its experts apart (`shardstream shard {store.root} --experts`) and read them on demand "
+                f"({how}), ")
+    return ""
+
+
 def served_experts(source: ExpertSource, layers: range | None = None) -> list:
     """The placed experts (sharding index records) that experts='on_demand' serves from `source` for these
     blocks (default all); InvalidOption, before anything is read or written, where one is not placed or the

@@ -31,7 +31,7 @@ from .blocks import StreamedBlocks, fill_block
 from .ends import Ends
 from .habits import TransformersHabits
 from .engine_options import EngineOptions, engine_options
-from .experts import ExpertlessLoader, ExpertSource, OnDemandExperts
+from .experts import ExpertlessLoader, ExpertSource, OnDemandExperts, on_demand_advice
 from .linear import packable_weights
 from .loader import BlockLoader
 from .mapped import release_unviewed
@@ -296,10 +296,12 @@ class StreamingModel(TransformersHabits, WrapsModel):
         if need <= available:
             return
         limit = "the memory limit of its container (cgroup)" if capped else "the RAM available"
+        advice = on_demand_advice(self.store) if self.experts is None else ""
         raise InsufficientMemory(
             f"streaming {self.store.root} needs {need >> 20} MiB at once ({where or ', '.join(sorted(piece.names))}), "
             f"but {limit} leaves {available >> 20} MiB once the resident parts are loaded; give it at least "
-            f"{(need - available >> 20) + 1} MiB more, or stream a 4-bit store (`shardstream convert --compression 4bit`)."
+            f"{(need - available >> 20) + 1} MiB more, {advice}or stream a 4-bit store "
+            "(`shardstream convert --compression 4bit`)."
         )
 
     def _fill_resident_parts(self, mapper: WeightMapper, outside: list[str], elsewhere: list[str],
