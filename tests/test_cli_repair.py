@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from test_cli_convert import run_cli
-from tiny_models import save_checkpoint
+from tiny_models import char_tokenizer, save_checkpoint
 
 
 def _damage(store: Path, part: str) -> str:
@@ -52,6 +52,7 @@ def test_failed_repair_after_sequential_changes_nothing_and_names_the_shard(tmp_
 
 def test_checksum_error_after_delete_original_advises_what_can_work(tmp_path):
     save_checkpoint("llama", tmp_path / "src")
+    char_tokenizer().save_pretrained(tmp_path / "src")   # generate needs one before it loads the damaged block
     index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
     run_cli("convert", "src", "store", "--delete-original", "--no-progress", cwd=tmp_path, check=True)
     assert not (tmp_path / "src").exists()
