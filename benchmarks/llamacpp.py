@@ -24,7 +24,9 @@ cache). shardstream (`AutoModel.from_pretrained(store)` with its defaults): a PR
 KV cache `generate` reserves, one decode step untimed (as llama-bench's warm-up run), NEW decode steps
 timed, then `generate(max_new_tokens=1)` on a fresh PREFILL-token prompt timed. The decode steps feed greedy
 tokens (--decode-tokens greedy) or, by default for an MoE shape, random ones as llama-bench does: an MoE's
-routing, and so what it reads, follows the token. Both sides also report the bytes read from disk
+routing, and so what it reads, follows the token. Each side runs with its own defaults: llama.cpp in the
+environment this benchmark started with (its OpenMP threads spin unless you set OMP_WAIT_POLICY), shardstream
+with the OMP_WAIT_POLICY=PASSIVE its import sets; the path line says both. Both sides also report the bytes read from disk
 during the decode steps (read_bytes of /proc/PID/io; for llama.cpp `python _llamacpp.py` runs llama-bench and
 counts them, inside the cap), and shardstream the share of routings its expert cache served. Settings,
 interleaved in that order every round (--rounds): llama.cpp bf16 GGUF (mmap; under the cap also
@@ -56,6 +58,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# llama.cpp runs in the environment this process started with. `import shardstream` (in main, and in the
+# shardstream children's own processes) sets OMP_WAIT_POLICY=PASSIVE where it is unset, and llama.cpp's OpenMP
+# barriers would inherit it: not llama.cpp's default, and slower (docs/BENCHMARKS.md, "Beside llama.cpp on the CPU").
+STARTED_WITH = dict(os.environ)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llamacpp  # noqa: E402
@@ -221,13 +228,12 @@ def moe_args(args) -> argparse.Namespace:
 
 # -- running a setting under memcap ---------------------------------------------------------------
 
-def capped(command: list[str], limit: str, cold: Path, timeout: int,
-           env: dict[str, str] | None = None) -> tuple[str, str] | str:
-    """(stdout, cgroup peak) of `command` run under `memcap limit --cold cold`, or what went wrong in a few words."""
+def capped(command: list[str], limit: str, cold: Path, timeout: int, env: dict[str, str]) -> tuple[str, str] | str:
+    """(stdout, cgroup peak) of `command` run in `env` under `memcap limit --cold cold`, or what went wrong in a few
+    words."""
     wrapped = [str(MEMCAP), limit, "--cold", str(cold), "--", *command]
     for _ in range(3):   # memcap names its cgroup after its pid: one left by a memcap killed earlier is in the way
-        process = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, **(env or {})})
+        process = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -273,13 +279,14 @@ def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
         model = llama["gguf"][setting.kind]
         command = _llamacpp.bench_command(llama["bin"], model, setting.mmap, args.prompt, args.new_tokens,
                                           args.prefill_tokens, setting.repack)
-        ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout)
+        ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout, STARTED_WITH)
         return with_peak(_llamacpp.bench_result(ran[0]), ran[1]) if isinstance(ran, tuple) else ran
     command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
                "--layers", str(args.layers), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", args.decode_tokens,
                *(["--mask-bf16"] if args.mask_bf16 else [])]
-    ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout, MASK_ENV if args.mask_bf16 else None)
+    ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout,
+                 {**os.environ, **(MASK_ENV if args.mask_bf16 else {})})
     return with_peak(json.loads(ran[0].strip().splitlines()[-1]), ran[1]) if isinstance(ran, tuple) else ran
 
 
@@ -376,7 +383,14 @@ def cpu_path(args, llama: dict) -> str:
               f"`{' '.join(_llamacpp.cmake_options(True))}`" if args.mask_bf16 else
               "not masked: shardstream's defaults on this CPU; llama.cpp built with `-DGGML_NATIVE=ON`")
     where = f"; llama.cpp tools in {llama['bin']}" if "bin" in llama else ""
-    return f"CPU: {cpu_model()} ({os.cpu_count()} cores), flags: {listed}. Path: {masked}{where}."
+    return (f"CPU: {cpu_model()} ({os.cpu_count()} cores), flags: {listed}. Path: {masked}{where}. OpenMP: "
+            f"llama.cpp with {openmp(STARTED_WITH)}, shardstream with {openmp(os.environ)}.")
+
+
+def openmp(env: dict[str, str]) -> str:
+    """The OpenMP wait settings in `env`, as the path line says them."""
+    said = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    return " ".join(said) or "libgomp's defaults"
 
 
 def main() -> None:

@@ -133,8 +133,30 @@ def test_a_crash_under_the_cap_names_its_signal_and_the_step_it_was_in(tmp_path,
     fake.chmod(0o755)
     monkeypatch.setattr(llamacpp, "MEMCAP", fake)
     crash = "echo 'llama-bench: benchmark 1/2: warmup prompt run' >&2; kill -SEGV $$"
-    assert llamacpp.capped(["sh", "-c", crash], "1G", tmp_path, 60) == "failed: SIGSEGV (llama-bench: benchmark 1/2: warmup prompt run)"
-    assert llamacpp.capped(["sh", "-c", "echo 'bad model' >&2; exit 1"], "1G", tmp_path, 60) == "failed: bad model"
+    env = dict(os.environ)
+    assert llamacpp.capped(["sh", "-c", crash], "1G", tmp_path, 60, env) == "failed: SIGSEGV (llama-bench: benchmark 1/2: warmup prompt run)"
+    assert llamacpp.capped(["sh", "-c", "echo 'bad model' >&2; exit 1"], "1G", tmp_path, 60, env) == "failed: bad model"
+
+
+def test_llamacpp_runs_with_the_openmp_settings_the_benchmark_started_with(tmp_path):
+    """`import shardstream` sets OMP_WAIT_POLICY=PASSIVE for our processes; llama.cpp, an OpenMP program too, is
+    run without it (its own default, spinning barriers) unless the user set it, and the path line says so."""
+    fake = tmp_path / "memcap"
+    fake.write_text("#!/bin/sh\nshift 4\n\"$@\"\n")
+    fake.chmod(0o755)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import llamacpp, shardstream, os; "
+            f"llamacpp.MEMCAP = {str(fake)!r}; probe = ['sh', '-c', 'echo ${{OMP_WAIT_POLICY:-unset}}']; "
+            f"print(llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, llamacpp.STARTED_WITH)[0].strip(), "
+            f"llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, dict(os.environ))[0].strip()); "
+            "print(llamacpp.openmp(llamacpp.STARTED_WITH), '/', llamacpp.openmp(os.environ))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    unset = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    given = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**env, "GOMP_SPINCOUNT": "20000"})
+    assert unset.returncode == 0 and given.returncode == 0, unset.stderr + given.stderr
+    assert unset.stdout.splitlines() == ["unset PASSIVE", "libgomp's defaults / OMP_WAIT_POLICY=PASSIVE"]
+    assert given.stdout.splitlines()[1] == "GOMP_SPINCOUNT=20000 / OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000"
 
 
 def test_llama_bench_reads_are_counted_from_its_generation_run(tmp_path):
