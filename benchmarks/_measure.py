@@ -17,6 +17,35 @@ from pathlib import Path
 
 MB = 1_000_000
 _CHUNK = 8 * 1024 * 1024
+# The environment the benchmark started with, captured when it first imports this module, before anything imports
+# shardstream: `import shardstream` sets OMP_WAIT_POLICY=PASSIVE where it is unset, and a peer (llama.cpp,
+# transformers, accelerate, AirLLM: OpenMP programs all) run in the environment after that would wait at its
+# barriers as we do, not as it does by default (docs/BENCHMARKS.md, "Beside llama.cpp on the CPU").
+STARTED_WITH = dict(os.environ)
+OUR_WAIT_POLICY = "PASSIVE"   # what `import shardstream` sets where OMP_WAIT_POLICY is unset
+
+
+def peer_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default this process's) for a peer: its OpenMP wait policy as the benchmark started with it (its own
+    default unless the user set one)."""
+    env = {name: value for name, value in (os.environ if env is None else env).items() if name != "OMP_WAIT_POLICY"}
+    if "OMP_WAIT_POLICY" in STARTED_WITH:
+        env["OMP_WAIT_POLICY"] = STARTED_WITH["OMP_WAIT_POLICY"]
+    return env
+
+
+def our_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default this process's) for a shardstream child: the wait policy `import shardstream` gives a user's
+    process, set here since a child may load torch before it imports shardstream."""
+    env = dict(os.environ if env is None else env)
+    env["OMP_WAIT_POLICY"] = STARTED_WITH.get("OMP_WAIT_POLICY", OUR_WAIT_POLICY)
+    return env
+
+
+def openmp(env: dict[str, str]) -> str:
+    """The OpenMP wait settings in `env`, as a benchmark's path line says them."""
+    said = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    return " ".join(said) or "libgomp's defaults"
 
 
 def files_under(path: Path) -> list[Path]:

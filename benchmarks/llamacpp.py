@@ -59,15 +59,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# llama.cpp runs in the environment this process started with. `import shardstream` (in main, and in the
-# shardstream children's own processes) sets OMP_WAIT_POLICY=PASSIVE where it is unset, and llama.cpp's OpenMP
-# barriers would inherit it: not llama.cpp's default, and slower (docs/BENCHMARKS.md, "Beside llama.cpp on the CPU").
-STARTED_WITH = dict(os.environ)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llamacpp  # noqa: E402
 import moe  # noqa: E402
-from _measure import cgroup_peak, cpu_model, evict, markdown_table  # noqa: E402
+from _measure import cgroup_peak, cpu_model, evict, markdown_table, openmp, our_env, peer_env  # noqa: E402
 from stream import CAPS, MEMCAP, build, quantized_store  # noqa: E402
 from real_shapes import SHAPES, checkpoint_bytes, shape_config  # noqa: E402  (stream put scripts/ on the path)
 
@@ -279,14 +274,14 @@ def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
         model = llama["gguf"][setting.kind]
         command = _llamacpp.bench_command(llama["bin"], model, setting.mmap, args.prompt, args.new_tokens,
                                           args.prefill_tokens, setting.repack)
-        ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout, STARTED_WITH)
+        ran = capped([sys.executable, _llamacpp.__file__, *command], limit, model, args.timeout, peer_env())
         return with_peak(_llamacpp.bench_result(ran[0]), ran[1]) if isinstance(ran, tuple) else ran
     command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
                "--layers", str(args.layers), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", args.decode_tokens,
                *(["--mask-bf16"] if args.mask_bf16 else [])]
     ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout,
-                 {**os.environ, **(MASK_ENV if args.mask_bf16 else {})})
+                 our_env({**os.environ, **(MASK_ENV if args.mask_bf16 else {})}))
     return with_peak(json.loads(ran[0].strip().splitlines()[-1]), ran[1]) if isinstance(ran, tuple) else ran
 
 
@@ -384,13 +379,7 @@ def cpu_path(args, llama: dict) -> str:
               "not masked: shardstream's defaults on this CPU; llama.cpp built with `-DGGML_NATIVE=ON`")
     where = f"; llama.cpp tools in {llama['bin']}" if "bin" in llama else ""
     return (f"CPU: {cpu_model()} ({os.cpu_count()} cores), flags: {listed}. Path: {masked}{where}. OpenMP: "
-            f"llama.cpp with {openmp(STARTED_WITH)}, shardstream with {openmp(os.environ)}.")
-
-
-def openmp(env: dict[str, str]) -> str:
-    """The OpenMP wait settings in `env`, as the path line says them."""
-    said = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
-    return " ".join(said) or "libgomp's defaults"
+            f"llama.cpp with {openmp(peer_env())}, shardstream with {openmp(our_env())}.")
 
 
 def main() -> None:

@@ -56,7 +56,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from _measure import cgroup_peak, cpu_model, cpu_times, evict, markdown_table, stolen_share  # noqa: E402
+from _measure import (cgroup_peak, cpu_model, cpu_times, evict, markdown_table, openmp, our_env, peer_env,  # noqa: E402
+                      stolen_share)
 from real_shapes import SHAPES, shape_config, write_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,7 @@ MiB = 1 << 20
 # The cold read speed's buffers, all readers together: larger than a CPU's last-level cache (read_files).
 READ_SPAN = 128 * MiB
 # the environment of every child with --mask-bf16: the path of a CPU without bf16 instructions
+PEER_MODES = {"memory", "accelerate", "airllm"}   # the runs of transformers, accelerate and AirLLM, not ours
 MASKED_BF16 = {"SHARDSTREAM_CPU_FLAGS": "-avx512_bf16,-amx_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
 CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M",   # the real shapes' scenarios
@@ -330,11 +332,13 @@ def child(args, *extra: str, cap: str | None = None, cold: Path | None = None, p
                "--workdir", args.workdir, *(["--shape", args.shape] if args.shape else [])]
     if cap:
         command = [str(MEMCAP), cap, *(["--cold", str(cold)] if cold else []), "--", *command]
-    # another venv's interpreter (AirLLM's) finds this checkout's package on the path, as this one does
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    # each side with its own OpenMP default: a peer's run (transformers, accelerate, AirLLM) or ours
+    env = peer_env() if PEER_MODES.intersection(extra) else our_env()
+    if python:   # another venv's interpreter (AirLLM's) finds this checkout's package on the path, as this one does
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     for _ in range(3):   # memcap names its cgroup after its pid: one left by a memcap killed earlier is in the way
         try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env if python else None)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return f"timeout ({timeout} s)"
         if not re.search(r"cannot create directory \S*memcap-\d+\W+ File exists", run.stderr):
@@ -756,7 +760,8 @@ def main() -> None:
              if sections - {"speculative"} else "")
     print(f"\n{model}{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch "
           f"{__import__('torch').__version__}, transformers {__import__('transformers').__version__}; 1-min load "
-          f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
+          f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after. OpenMP: transformers, accelerate and "
+          f"AirLLM with {openmp(peer_env())}, shardstream with {openmp(our_env())}.")
 
 
 def bf16_flags() -> str:

@@ -138,25 +138,27 @@ def test_a_crash_under_the_cap_names_its_signal_and_the_step_it_was_in(tmp_path,
     assert llamacpp.capped(["sh", "-c", "echo 'bad model' >&2; exit 1"], "1G", tmp_path, 60, env) == "failed: bad model"
 
 
-def test_llamacpp_runs_with_the_openmp_settings_the_benchmark_started_with(tmp_path):
-    """`import shardstream` sets OMP_WAIT_POLICY=PASSIVE for our processes; llama.cpp, an OpenMP program too, is
-    run without it (its own default, spinning barriers) unless the user set it, and the path line says so."""
+def test_peers_run_with_the_openmp_settings_the_benchmark_started_with(tmp_path):
+    """`import shardstream` sets OMP_WAIT_POLICY=PASSIVE for our processes; a peer (llama.cpp, an OpenMP program
+    too; transformers, accelerate and AirLLM in benchmarks/stream.py) runs without it (its own default, spinning
+    barriers) unless the user set it, ours with it, and the path line says so."""
     fake = tmp_path / "memcap"
     fake.write_text("#!/bin/sh\nshift 4\n\"$@\"\n")
     fake.chmod(0o755)
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import llamacpp, shardstream, os; "
             f"llamacpp.MEMCAP = {str(fake)!r}; probe = ['sh', '-c', 'echo ${{OMP_WAIT_POLICY:-unset}}']; "
-            f"print(llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, llamacpp.STARTED_WITH)[0].strip(), "
-            f"llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, dict(os.environ))[0].strip()); "
-            "print(llamacpp.openmp(llamacpp.STARTED_WITH), '/', llamacpp.openmp(os.environ))")
+            f"print(llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, llamacpp.peer_env())[0].strip(), "
+            f"llamacpp.capped(probe, '1G', {str(tmp_path)!r}, 60, llamacpp.our_env())[0].strip()); "
+            "print(llamacpp.openmp(llamacpp.peer_env()), '/', llamacpp.openmp(llamacpp.our_env()))")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = str(ROOT / "src")
-    unset = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    given = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env={**env, "GOMP_SPINCOUNT": "20000"})
-    assert unset.returncode == 0 and given.returncode == 0, unset.stderr + given.stderr
-    assert unset.stdout.splitlines() == ["unset PASSIVE", "libgomp's defaults / OMP_WAIT_POLICY=PASSIVE"]
-    assert given.stdout.splitlines()[1] == "GOMP_SPINCOUNT=20000 / OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000"
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, **given})
+            for given in ({}, {"GOMP_SPINCOUNT": "20000"}, {"OMP_WAIT_POLICY": "ACTIVE"})]
+    assert all(run.returncode == 0 for run in runs), "".join(run.stderr for run in runs)
+    unset, spin, active = (run.stdout.splitlines() for run in runs)
+    assert unset == ["unset PASSIVE", "libgomp's defaults / OMP_WAIT_POLICY=PASSIVE"]
+    assert spin[1] == "GOMP_SPINCOUNT=20000 / OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000"
+    assert active == ["ACTIVE ACTIVE", "OMP_WAIT_POLICY=ACTIVE / OMP_WAIT_POLICY=ACTIVE"]
 
 
 def test_llama_bench_reads_are_counted_from_its_generation_run(tmp_path):
