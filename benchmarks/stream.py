@@ -68,8 +68,8 @@ MB = 1e6
 MiB = 1 << 20
 # The cold read speed's buffers, all readers together: larger than a CPU's last-level cache (read_files).
 READ_SPAN = 128 * MiB
-# the environment of every child with --mask-bf16: the path of a CPU without bf16 instructions
 PEER_MODES = {"memory", "accelerate", "airllm"}   # the runs of transformers, accelerate and AirLLM, not ours
+# the environment of every child with --mask-bf16: the path of a CPU without bf16 instructions
 MASKED_BF16 = {"SHARDSTREAM_CPU_FLAGS": "-avx512_bf16,-amx_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SIZES = {"722mb": (1024, 16, 512), "470mb": (1024, 8, 8192), "1.5gb": (2048, 7, 8192)}  # hidden, blocks, vocab
 CAPS = {"llama-3.2-1b": "1200M", "qwen2.5-7b": "4000M", "qwen2.5-0.5b": "600M",   # the real shapes' scenarios

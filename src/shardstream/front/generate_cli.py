@@ -37,6 +37,9 @@ def generate_command(
     tp_cache: TpCache = None,
 ) -> None:
     """Generate text from a prompt (tokens printed as produced) or from a file of prompts."""
+    from ..serving.text import check_tokenizer_files
+
+    check_tokenizer_files(source)
     if tensor_parallel:
         from .tp_generate import generate_tp, refuse_unsupported
 
@@ -59,10 +62,8 @@ def generate_command(
                                 "time (see docs/STREAMING.md); drop --draft to batch the prompts file.")
         from ..interrupted import rerun_continues
         from ..serving.offline import answer_file, pending
-        from ..serving.text import check_tokenizer_files
 
         prompts, done = pending(prompts_file, output, batch_size)
-        check_tokenizer_files(source)
         # the batches end with a line of throughput, not a per-block table per step (offline.answer_file)
         options = command_options(replace(engine, profile=False),
                                   batch_size=min(batch_size, max(1, len(prompts) - done)))
@@ -93,9 +94,8 @@ def _one_prompt(source: str, prompt: str, sampling: Sampling, draft: str | None,
     from contextlib import ExitStack
 
     from .draft import PassReport, draft_options, open_draft
-    from ..serving.text import check_tokenizer_files, generate_one, load_tokenizer
+    from ..serving.text import generate_one, load_tokenizer
 
-    check_tokenizer_files(source)
     with ExitStack() as stack:
         model = stack.enter_context(open_model(source, conversion, engine, device, progress))
         tokenizer = load_tokenizer(model)

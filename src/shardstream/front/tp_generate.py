@@ -37,8 +37,7 @@ def generate_tp(source: str, prompt: str, sampling: Sampling, device: str, progr
     one."""
     import torch.distributed as dist
 
-    from ..serving.text import check_tokenizer_files, generate_one, load_tokenizer
+    from ..serving.text import generate_one, load_tokenizer
 
-    check_tokenizer_files(source)
     with open_rank(source, conversion, device, progress, options, tp_cache) as model:
         generate_one(model, load_tokenizer(model), prompt, **sampling.keywords(), prints=dist.get_rank() == 0)
