@@ -201,9 +201,10 @@ def test_missing_expert_file_is_named(tmp_path):
             model(torch.tensor([[5, 6, 7]]))
 
 
-def _top_4_store(tmp: Path, model_type: str, dtype: torch.dtype = torch.float32, **extra):
-    """A tiny model of `model_type` that picks 4 of 8 experts, converted, its experts placed apart; and its
-    transformers twin."""
+def _top_4_store(tmp: Path, model_type: str, dtype: torch.dtype = torch.float32, compression: str | None = None,
+                 **extra):
+    """A tiny model of `model_type` that picks 4 of 8 experts, converted (with `compression`), its experts placed
+    apart; and its transformers twin."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -213,7 +214,7 @@ def _top_4_store(tmp: Path, model_type: str, dtype: torch.dtype = torch.float32,
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     reference.save_pretrained(tmp / "ckpt")
-    convert(tmp / "ckpt", tmp / "store", progress=False)
+    convert(tmp / "ckpt", tmp / "store", compression=compression, progress=False)
     store = open_store(tmp / "store")
     place_experts(store, {"hot": "."})
     return reference, store
@@ -441,6 +442,39 @@ def test_a_decode_step_in_bf16_multiplies_its_experts_in_float32_rounded_once(tm
     scale = steps["with_block"].abs().max().item()
     assert (steps["on_demand"] - steps["with_block"]).abs().max().item() <= 2e-2 * scale
     assert kernel_rows and set(kernel_rows) <= {1, 2} or not half_linear.available()
+
+
+@pytest.mark.parametrize("compression, compute", [(None, "float32"), (None, "bfloat16"), ("int4", "float32")])
+def test_a_decode_step_multiplies_the_experts_it_holds_together_with_the_bits_of_one_by_one(
+        tmp_path, monkeypatch, compression, compute):
+    """A decode step's token multiplies the experts it holds in two kernel calls (their gates and ups, then their
+    downs), not three an expert: bf16 weights in float32 or bf16 math, and int4 codes, give step after step the
+    same logits, bit for bit, as multiplying them one by one."""
+    from shardstream.stream import experts as module, half_linear, int4_linear
+
+    _, store = _top_4_store(tmp_path, "qwen3_moe", torch.bfloat16, compression, head_dim=8)
+    real, together = module._multiply_together, []
+
+    def recording(*args):
+        together.append(real(*args))
+        return together[-1]
+
+    def decode_steps() -> torch.Tensor:
+        with StreamingModel(store, experts="on_demand", compute_dtype=compute, max_resident_memory=0,
+                            max_expert_memory=None) as model:
+            out = model(torch.tensor([[11, 42, 7]]), use_cache=True)
+            past, logits = out.past_key_values, []
+            for token in (5, 9, 5, 9):   # routed again: held
+                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits.append(out.logits)
+            return torch.cat(logits)
+
+    monkeypatch.setattr(module, "_multiply_together", recording)
+    got = decode_steps()
+    monkeypatch.setattr(module, "_multiply_together", lambda *args: False)
+    assert torch.equal(got, decode_steps())
+    assert any(together) or not (int4_linear if compression else half_linear).available()
 
 
 def test_blocks_are_sized_without_the_experts_read_on_demand(family_placed):

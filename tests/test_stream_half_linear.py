@@ -60,6 +60,23 @@ def test_the_kernel_matches_the_float_product_and_a_row_keeps_its_bits_in_any_ba
     assert torch.equal(got, in_a_bigger_batch)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features", [(67, 33), (5, 7), (40, 4111)])
+@pytest.mark.parametrize("shared", [True, False], ids=["one-row", "a-row-each"])
+def test_rows_gives_each_product_the_bits_of_linear(out_features, in_features, dtype, shared):
+    """Several one-row products in one call (an MoE block's routed experts), their rows split over the threads
+    together, whether they share x's one row or each has its own, one weight a view into a bigger buffer: each
+    the bits `linear` gives it alone."""
+    weights = [_weight(out_features, in_features, dtype, seed=i) for i in range(4)]
+    weights.append(_weight(out_features, in_features + 9, dtype, seed=9)[:, 3:in_features + 3])
+    x = torch.randn(1 if shared else 5, in_features)
+    want = torch.cat([half_linear.linear(x[0 if shared else i].view(1, -1), w, None) for i, w in enumerate(weights)])
+    assert half_linear.rows_fit(weights) and torch.equal(half_linear.rows(x, weights), want)
+    assert not half_linear.rows_fit([*weights, _weight(out_features + 1, in_features, dtype)])
+    assert not half_linear.rows_fit([*weights, weights[0].to(torch.float32)])
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("on", marks=needs_kernel), "off"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_any_leading_shape_strided_rows_and_a_weight_viewed_in_a_bigger_buffer(dtype, kernel, switched_off):

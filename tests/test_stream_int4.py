@@ -133,6 +133,20 @@ def test_the_kernel_does_its_exact_math_and_a_row_keeps_its_bits_in_any_batch(ou
 
 
 @needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(16, 2048), (112, 50), (48, 96)])
+@pytest.mark.parametrize("shared", [True, False], ids=["one-row", "a-row-each"])
+def test_rows_gives_each_product_the_bits_of_linear(out_features, in_features, shared):
+    """Several one-row products in one call (an MoE block's routed experts), whether they share x's one row or
+    each has its own: each the bits `linear` gives it alone. Outputs in whole groups of 16 only."""
+    weights = [quant.quantize(randn(out_features, in_features, seed=i), "int4") for i in range(5)]
+    x = torch.randn(1 if shared else 5, in_features)
+    want = torch.cat([int4_linear.linear(x[0 if shared else i].view(1, -1), w, None) for i, w in enumerate(weights)])
+    assert int4_linear.rows_fit(weights) and torch.equal(int4_linear.rows(x, weights), want)
+    assert not int4_linear.rows_fit([*weights, quant.quantize(randn(out_features + 16, in_features), "int4")])
+    assert not int4_linear.rows_fit([quant.quantize(randn(40, in_features), "int4")])
+
+
+@needs_kernel
 def test_half_precision_activations_and_weights_and_leading_shapes():
     weight = quant.quantize(randn(24, 64, dtype=torch.bfloat16), "int4")
     dense = exact_weights(weight)

@@ -52,7 +52,7 @@ from ..store.checksum import HashAsRead
 from ..store.direct_io import ReadStopped, Stoppable, aligned
 from ..store.dtypes import TORCH_DTYPES
 from ..store.sharding import Expert, load_expert, load_index
-from . import half_linear, quant_linear
+from . import half_linear, int4_linear, quant_linear
 from .direct import BufferPool
 from .expert_cache import ExpertCache
 from .linear import weight_linear
@@ -327,8 +327,9 @@ class OnDemandExperts:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward over the experts routed to, each from the cache or read (those not held
         read ahead while one multiplies: `_Reads`; a right guess's read already started). The experts multiply
-        in the order their weights are at hand, those held first, then the right guesses, then the reads in
-        expert order, so that none waits behind a read; their outputs are added in expert order
+        in the order their weights are at hand, those held first (a decode step's one token: all together,
+        `_multiply_together`), then the right guesses, then the reads in expert order, so that none waits
+        behind a read; their outputs are added in expert order
         (`_InExpertOrder`), transformers' sums. Once this block's reads have all landed and an expert has
         multiplied, the next block's likely experts (`_guessed`, ranked once, from the outputs multiplied by then)
         are read into the room that the reads not yet multiplied leave, topped up as they multiply."""
@@ -355,8 +356,12 @@ class OnDemandExperts:
             if room and ahead() and room > reads.in_flight:
                 self.guesses.start(threads, *ahead(), room - reads.in_flight)
 
+        order = [*(e for e in routed if e in pinned), *missing]
+        together = len(pinned) > 1 and _multiply_together(block, [held[e].weights for e in order[:len(pinned)]],
+                                                          order[:len(pinned)], hidden_states, top_k_index,
+                                                          top_k_weights, out)
         try:
-            for number, expert in enumerate([*(e for e in routed if e in pinned), *missing]):
+            for number, expert in enumerate(order[len(pinned) if together else 0:], len(pinned) if together else 0):
                 loaded = held[expert]
                 if loaded is None:
                     loaded = reads.take()
@@ -733,6 +738,33 @@ def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor],
     state = hidden_states[token_idx]
     hidden = block.act(_product(state, weights[GATE])) * _product(state, weights[UP])
     out.add(expert, token_idx, _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None])
+
+
+def _multiply_together(block: _Block, weights: list[dict[str, torch.Tensor | QuantizedTensor]], experts: list[int],
+                       hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       out: _InExpertOrder) -> bool:
+    """`_multiply` of a decode step's one token by several experts at hand, their gates and ups in one kernel
+    call and their downs in another (`rows`: one fork and join of the threads for all, not three an expert),
+    the same operations on the same values otherwise, so the same bits; False, multiplying nothing, where the
+    pass has more than one token or the weights are not all int4 or all bfloat16/float16 on the CPU."""
+    if hidden_states.shape[0] != 1 or hidden_states.device.type != "cpu":
+        return False
+    kernel = next((k for k in (int4_linear, half_linear)
+                   if all(k.rows_fit([w[role] for w in weights]) for role in (GATE, UP, DOWN))), None)
+    if kernel is None or (kernel is half_linear and hidden_states.dtype not in (torch.float32, weights[0][GATE].dtype)):
+        return False
+    dtype, count = hidden_states.dtype, len(experts)
+    gate_up = kernel.rows(hidden_states.float(), [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
+    # the activation an expert's row at a time: torch's elementwise kernels take a short tensor's values one by
+    # one and a longer one's by vectors, and an exponential's bits differ between the two
+    hidden = torch.cat([block.act(gate) for gate in gate_up[:count].split(1)]) * gate_up[count:]
+    down = kernel.rows(hidden.float(), [w[DOWN] for w in weights]).to(dtype)
+    position = {expert: place for place, expert in enumerate(top_k_index[0].tolist())}
+    routing = top_k_weights[0, [position[expert] for expert in experts], None]
+    token = torch.zeros(1, dtype=torch.long)
+    for expert, output in zip(experts, (down * routing).split(1)):
+        out.add(expert, token, output)
+    return True
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:

@@ -60,6 +60,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], out_features)
 
 
+def rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """[len(weights), N] float32: row i of the float32 x (x's one row for every weight, where it has one) @
+    weights[i].float()ᵀ, the weights bfloat16 or float16 matrices of one shape and dtype, in one call of the
+    kernel (`rows_fit` says when), each row the bits `linear` gives it."""
+    count, (out_features, in_features) = len(weights), weights[0].shape
+    flat = x.reshape(-1, in_features).contiguous()
+    step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
+    out = torch.empty(count, out_features)
+    pointers = ctypes.c_void_p * count
+    _library().half_linear_rows(count, pointers(*(flat.data_ptr() + i * step for i in range(count))), in_features,
+                                pointers(*(w.data_ptr() for w in weights)), (ctypes.c_int64 * count)(*(w.stride(0) for w in weights)),
+                                out_features, out.data_ptr(), FORMATS[weights[0].dtype])
+    return out
+
+
+def rows_fit(weights: list) -> bool:
+    """Whether `rows` multiplies these: `supports`' matrices, all of one shape and dtype, with the kernel built."""
+    first = weights[0]
+    return (isinstance(first, torch.Tensor) and supports(first, torch.float32) and _library() is not None
+            and all(isinstance(w, torch.Tensor) and w.dtype == first.dtype and w.shape == first.shape
+                    and supports(w, torch.float32) for w in weights))
+
+
 def supports(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
     """Whether `linear` takes `weight` with activations of `x_dtype`: float32 activations, a 2-D bfloat16 or
     float16 CPU weight whose rows are contiguous (any K; rows may lie any distance apart, not overlapping)."""

@@ -369,3 +369,29 @@ extern "C" void int4_linear(const float* x, int64_t M, int64_t K, int64_t xs, co
   if (M <= kNarrowRows) product<kNarrowRows, kNarrowColumns>(a, M, w, N, rest, y, ys);
   else product<kRows, kColumns>(a, M, w, N, rest, y, ys);
 }
+
+// `count` one-row products, y_i = x_i @ W_iᵀ (the rows of y, N floats apart), every W_i N x K with N a multiple
+// of 16: their column tiles split over torch's threads at once, so that a token's few small matrices (an MoE
+// block's routed experts) cost one fork and join, not one each. Each distinct x_i (a pointer repeated in a row
+// counts once) is quantized once. Every output is the same sum as int4_linear's.
+extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K, const uint8_t* const* codes,
+                                 const uint16_t* const* scales, int64_t N, float* y) {
+  std::vector<Activations> rows;
+  std::vector<int64_t> row_of(count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (i == 0 || x[i] != x[i - 1]) rows.push_back(quantize_rows(x[i], 1, K, K));
+    row_of[i] = static_cast<int64_t>(rows.size()) - 1;
+  }
+  const int64_t vectors = N / kGroup * kPerGroup;
+  const int64_t tiles = vectors / kNarrowColumns, items = tiles + vectors % kNarrowColumns;
+  at::parallel_for(0, count * items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Int> split;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / items, item = t % items;
+      const Activations& a = rows[row_of[i]];
+      const Weights w{codes[i], scales[i], a.P, a.B};
+      if (item < tiles) columns<kNarrowRows, kNarrowColumns>(a, 1, w, item * kNarrowColumns, y + i * N, N, split);
+      else columns<kNarrowRows, 1>(a, 1, w, tiles * kNarrowColumns + (item - tiles), y + i * N, N, split);
+    }
+  });
+}

@@ -58,6 +58,30 @@ def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | 
     return (out if bias is None else out.add_(bias)).to(x.dtype).view(*x.shape[:-1], out_features)
 
 
+def rows(x: torch.Tensor, weights: list[quant.QuantizedTensor]) -> torch.Tensor:
+    """[len(weights), N] float32: row i of x (x's one row for every weight, where it has one) @ weights[i]ᵀ, every
+    weight an N x K int4 matrix with N a multiple of 16, in one call of the kernel (`rows_fit` says when), each
+    row the bits `linear` gives it."""
+    count, (out_features, in_features) = len(weights), weights[0].meta["shape"]
+    flat = x.reshape(-1, in_features).float().contiguous()
+    step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
+    out = torch.empty(count, out_features)
+    pointers = ctypes.c_void_p * count
+    _library().int4_linear_rows(count, pointers(*(flat.data_ptr() + i * step for i in range(count))), in_features,
+                                pointers(*(w.data.data_ptr() for w in weights)),
+                                pointers(*(w.absmax.data_ptr() for w in weights)), out_features, out.data_ptr())
+    return out
+
+
+def rows_fit(weights: list) -> bool:
+    """Whether `rows` multiplies these: int4 matrices of one shape whose outputs are whole groups of 16, with the
+    kernel built."""
+    shape = weights[0].meta["shape"] if isinstance(weights[0], quant.QuantizedTensor) else None
+    return (shape is not None and shape[0] % 16 == 0 and _library() is not None
+            and all(isinstance(w, quant.QuantizedTensor) and w.meta["method"] == "int4" and w.meta["shape"] == shape
+                    for w in weights))
+
+
 def packable(meta: dict, device: torch.device) -> bool:
     """Whether an int4 tensor can stay packed for `linear` on `device`: a matrix of a dtype it serves, on the CPU
     where the kernel builds (on a GPU it is dequantized at load instead)."""
@@ -97,4 +121,6 @@ def _library() -> ctypes.CDLL | None:
         i64, pointer = ctypes.c_int64, ctypes.c_void_p
         library.int4_linear.argtypes = [pointer, i64, i64, i64, pointer, pointer, i64, pointer, i64]
         library.int4_linear.restype = None
+        library.int4_linear_rows.argtypes = [i64, pointer, i64, pointer, pointer, i64, pointer]
+        library.int4_linear_rows.restype = None
     return library

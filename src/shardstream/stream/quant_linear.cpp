@@ -428,15 +428,34 @@ constexpr int kStreams = 4;
 // stream of its own, which the prefetcher picks up late (benchmarks/kernels.py). Each output is still one
 // tile's sum, in the same order as in any batch.
 template <class W>
+void one_row_span(const float* x, int64_t K, const W& w, int64_t begin, int64_t end, float* y) {
+  const int64_t span = (end - begin) / kStreams;
+  float out[kStreams];
+  for (int64_t i = 0; i < span; ++i) {
+    tile<1, kStreams>(x, 0, FromRowsApart<W>{w, begin + i, span}, K, out, 0);
+    for (int c = 0; c < kStreams; ++c) y[begin + i + c * span] = out[c];
+  }
+  for (int64_t n = begin + kStreams * span; n < end; ++n) tile<1, 1>(x, 0, FromCodes<W>{w, n}, K, y + n, 0);
+}
+
+template <class W>
 void one_row(const float* x, int64_t K, const W& w, int64_t N, float* y) {
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    const int64_t span = (end - begin) / kStreams;
-    float out[kStreams];
-    for (int64_t i = 0; i < span; ++i) {
-      tile<1, kStreams>(x, 0, FromRowsApart<W>{w, begin + i, span}, K, out, 0);
-      for (int c = 0; c < kStreams; ++c) y[begin + i + c * span] = out[c];
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) { one_row_span(x, K, w, begin, end, y); });
+}
+
+// `count` one-row products y_i = x_i @ W_iᵀ against 16-bit weights, each N x K with rows ws[i] apart (y's rows
+// N floats apart): all their rows split over torch's threads at once, each thread's share of a W read as
+// one_row reads it, so that a token's few small matrices (an MoE block's routed experts) cost one fork and
+// join, not one each.
+template <int Format>
+void half_rows(int64_t count, const float* const* x, int64_t K, const uint16_t* const* w, const int64_t* ws,
+               int64_t N, float* y) {
+  at::parallel_for(0, count * N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end;) {
+      const int64_t i = at / N, first = at % N, last = std::min(N, first + end - at);
+      one_row_span(x[i], K, HalfWeight<Format>{w[i], ws[i], K}, first, last, y + i * N);
+      at += last - first;
     }
-    for (int64_t n = begin + kStreams * span; n < end; ++n) tile<1, 1>(x, 0, FromCodes<W>{w, n}, K, y + n, 0);
   });
 }
 
@@ -489,4 +508,11 @@ extern "C" void half_linear(const float* x, int64_t M, int64_t K, int64_t xs, co
   constexpr int64_t never = std::numeric_limits<int64_t>::max();
   if (format == 1) linear(x, M, K, xs, HalfWeight<1>{w, ws, K}, N, y, ys, never);
   else linear(x, M, K, xs, HalfWeight<2>{w, ws, K}, N, y, ys, never);
+}
+
+// `count` one-row products against bfloat16 (`format` 1) or float16 (2) weights: see half_rows.
+extern "C" void half_linear_rows(int64_t count, const float* const* x, int64_t K, const uint16_t* const* w,
+                                 const int64_t* ws, int64_t N, float* y, int64_t format) {
+  if (format == 1) half_rows<1>(count, x, K, w, ws, N, y);
+  else half_rows<2>(count, x, K, w, ws, N, y);
 }

@@ -149,4 +149,6 @@ def load_library(what: str, switch: Switch, without: str) -> ctypes.CDLL | None:
         library.quant_linear.restype = None
         library.half_linear.argtypes = [pointer, i64, i64, i64, pointer, i64, i64, pointer, i64, i64]
         library.half_linear.restype = None
+        library.half_linear_rows.argtypes = [i64, pointer, i64, pointer, pointer, i64, pointer, i64]
+        library.half_linear_rows.restype = None
     return library
