@@ -96,7 +96,7 @@ class ExpertCache(Generic[Held]):
             return False
         mine = self._score(key)
         victims, freed = [], self.budget - self.held_bytes
-        for other in sorted(self._held, key=self._score):
+        for other in sorted(self._held, key=self._score) if freed < nbytes else ():   # ranked only to make room
             if freed >= nbytes:
                 break
             if other[0] == block and other[1] in keep:
