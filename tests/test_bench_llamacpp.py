@@ -88,7 +88,13 @@ def test_an_moe_shape_takes_its_own_cap_and_gguf_types_and_reports_its_expert_ca
     assert all("under memcap 2000M" in row for row in rows)
     assert "routings served by the expert cache (decode)" in run.stdout
     assert "Decode: 16 random steps" in run.stdout and "Model: qwen3-30b-a3b-shaped" in run.stdout
+    assert "experts on demand, an eighth of their bytes cached" in run.stdout
     assert not (tmp_path / "work").exists()
+    run = bench("--shape", "qwen3-30b-a3b", "--layers", "1", "--llamacpp", str(missing), "--sections", "capped",
+                "--gguf-types", "q4_0", "--shardstream-compressions", "", "--rounds", "1", "--expert-cache", "auto",
+                "--workdir", str(tmp_path / "work"))
+    assert run.returncode == 0, run.stderr
+    assert "experts on demand, cached as max_expert_memory='auto' sizes it" in run.stdout
     run = bench("--gguf-types", "bf16,q5_k", "--workdir", str(tmp_path))
     assert run.returncode == 2
     assert "--gguf-types: unknown q5_k; choose from bf16, q8_0, q4_0" in run.stderr
