@@ -444,12 +444,14 @@ def test_a_decode_step_in_bf16_multiplies_its_experts_in_float32_rounded_once(tm
     assert kernel_rows and set(kernel_rows) <= {1, 2} or not half_linear.available()
 
 
+@pytest.mark.parametrize("sequences", [1, 3])
 @pytest.mark.parametrize("compression, compute", [(None, "float32"), (None, "bfloat16"), ("int4", "float32")])
 def test_a_decode_step_multiplies_the_experts_it_holds_together_with_the_bits_of_one_by_one(
-        tmp_path, monkeypatch, compression, compute):
-    """A decode step's token multiplies the experts it holds in two kernel calls (their gates and ups, then their
-    downs), not three an expert: bf16 weights in float32 or bf16 math, and int4 codes, give step after step the
-    same logits, bit for bit, as multiplying them one by one."""
+        tmp_path, monkeypatch, compression, compute, sequences):
+    """A decode step multiplies the held experts that one token alone routes to in two kernel calls (their gates
+    and ups, then their downs), not three an expert, for one sequence or a batch (whose experts routed to by two
+    tokens go one by one): bf16 weights in float32 or bf16 math, and int4 codes, give step after step the same
+    logits, bit for bit, as multiplying every expert alone."""
     from shardstream.stream import experts as module, half_linear, int4_linear
 
     _, store = _top_4_store(tmp_path, "qwen3_moe", torch.bfloat16, compression, head_dim=8)
@@ -462,17 +464,18 @@ def test_a_decode_step_multiplies_the_experts_it_holds_together_with_the_bits_of
     def decode_steps() -> torch.Tensor:
         with StreamingModel(store, experts="on_demand", compute_dtype=compute, max_resident_memory=0,
                             max_expert_memory=None) as model:
-            out = model(torch.tensor([[11, 42, 7]]), use_cache=True)
+            out = model(torch.tensor([[11, 42, 7], [3, 8, 60], [21, 2, 90]][:sequences]), use_cache=True)
             past, logits = out.past_key_values, []
             for token in (5, 9, 5, 9):   # routed again: held
-                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                out = model(torch.tensor([[token], [token + 20], [token + 40]][:sequences]), past_key_values=past,
+                            use_cache=True)
                 past = out.past_key_values
                 logits.append(out.logits)
             return torch.cat(logits)
 
     monkeypatch.setattr(module, "_multiply_together", recording)
     got = decode_steps()
-    monkeypatch.setattr(module, "_multiply_together", lambda *args: False)
+    monkeypatch.setattr(module, "_multiply_together", lambda *args: set())
     assert torch.equal(got, decode_steps())
     assert any(together) or not (int4_linear if compression else half_linear).available()
 

@@ -327,8 +327,8 @@ class OnDemandExperts:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward over the experts routed to, each from the cache or read (those not held
         read ahead while one multiplies: `_Reads`; a right guess's read already started). The experts multiply
-        in the order their weights are at hand, those held first (a decode step's one token: all together,
-        `_multiply_together`), then the right guesses, then the reads in expert order, so that none waits
+        in the order their weights are at hand, those held first (those that one token alone routes to, as in a
+        decode step: all together, `_multiply_together`), then the right guesses, then the reads in expert order, so that none waits
         behind a read; their outputs are added in expert order
         (`_InExpertOrder`), transformers' sums. Once this block's reads have all landed and an expert has
         multiplied, the next block's likely experts (`_guessed`, ranked once, from the outputs multiplied by then)
@@ -359,12 +359,11 @@ class OnDemandExperts:
             if room and ahead() and room > reads.in_flight:
                 self.guesses.start(threads, *ahead(), room - reads.in_flight)
 
-        order = [*(e for e in routed if e in pinned), *missing]
-        together = len(pinned) > 1 and _multiply_together(block, [held[e].weights for e in order[:len(pinned)]],
-                                                          order[:len(pinned)], hidden_states, top_k_index,
-                                                          top_k_weights, out)
+        together = _multiply_together(block, {e: held[e].weights for e in routed if e in pinned}, hidden_states,
+                                      top_k_index, top_k_weights, out)
+        order = [*(e for e in routed if e in pinned and e not in together), *missing]
         try:
-            for number, expert in enumerate(order[len(pinned) if together else 0:], len(pinned) if together else 0):
+            for number, expert in enumerate(order, len(together)):
                 loaded = held[expert]
                 if loaded is None:
                     loaded = reads.take()
@@ -743,31 +742,39 @@ def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor],
     out.add(expert, token_idx, _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None])
 
 
-def _multiply_together(block: _Block, weights: list[dict[str, torch.Tensor | QuantizedTensor]], experts: list[int],
+def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | QuantizedTensor]],
                        hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       out: _InExpertOrder) -> bool:
-    """`_multiply` of a decode step's one token by several experts at hand, their gates and ups in one kernel
-    call and their downs in another (`rows`: one fork and join of the threads for all, not three an expert),
-    the same operations on the same values otherwise, so the same bits; False, multiplying nothing, where the
-    pass has more than one token or the weights are not all int4 or all bfloat16/float16 on the CPU."""
-    if hidden_states.shape[0] != 1 or hidden_states.device.type != "cpu":
-        return False
-    kernel = next((k for k in (int4_linear, half_linear)
-                   if all(k.rows_fit([w[role] for w in weights]) for role in (GATE, UP, DOWN))), None)
+                       out: _InExpertOrder) -> set[int]:
+    """`_multiply` of the experts at hand (`held`) that one token alone routes to (a decode step's, or each of a
+    batch's few), all of them at once: their gates and ups in one kernel call and their downs in another (`rows`:
+    one fork and join of the threads for all, not three an expert), the same operations on the same values
+    otherwise, so the same bits. Returns the experts multiplied: none where fewer than two qualify or their
+    weights are not all int4 or all bfloat16/float16 on the CPU."""
+    if len(held) < 2 or hidden_states.device.type != "cpu":
+        return set()
+    routings: dict[int, list[tuple[int, int]]] = {}   # expert -> (token, place among its top k)
+    for token, picks in enumerate(top_k_index.tolist()):
+        for place, expert in enumerate(picks):
+            if expert in held:
+                routings.setdefault(expert, []).append((token, place))
+    experts = sorted(e for e, routed in routings.items() if len(routed) == 1)
+    weights = [held[e] for e in experts]
+    kernel = next((k for k in (int4_linear, half_linear) if len(experts) > 1
+                   and all(k.rows_fit([w[role] for w in weights]) for role in (GATE, UP, DOWN))), None)
     if kernel is None or (kernel is half_linear and hidden_states.dtype not in (torch.float32, weights[0][GATE].dtype)):
-        return False
+        return set()
     dtype, count = hidden_states.dtype, len(experts)
-    gate_up = kernel.rows(hidden_states.float(), [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
+    tokens, places = zip(*(routings[e][0] for e in experts))
+    states = hidden_states[list(tokens)].float()
+    gate_up = kernel.rows(torch.cat([states, states]), [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
     # the activation an expert's row at a time: torch's elementwise kernels take a short tensor's values one by
     # one and a longer one's by vectors, and an exponential's bits differ between the two
     hidden = torch.cat([block.act(gate) for gate in gate_up[:count].split(1)]) * gate_up[count:]
     down = kernel.rows(hidden.float(), [w[DOWN] for w in weights]).to(dtype)
-    position = {expert: place for place, expert in enumerate(top_k_index[0].tolist())}
-    routing = top_k_weights[0, [position[expert] for expert in experts], None]
-    token = torch.zeros(1, dtype=torch.long)
-    for expert, output in zip(experts, (down * routing).split(1)):
-        out.add(expert, token, output)
-    return True
+    routing = top_k_weights[list(tokens), list(places), None]
+    for expert, token, output in zip(experts, tokens, (down * routing).split(1)):
+        out.add(expert, torch.tensor([token]), output)
+    return set(experts)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
