@@ -328,9 +328,9 @@ class OnDemandExperts:
         """transformers' experts forward over the experts routed to, each from the cache or read (those not held
         read ahead while one multiplies: `_Reads`; a right guess's read already started). The experts multiply
         in the order their weights are at hand, those held first (those that one token alone routes to, as in a
-        decode step: all together, `_multiply_together`), then the right guesses, then the reads in expert order, so that none waits
-        behind a read; their outputs are added in expert order
-        (`_InExpertOrder`), transformers' sums. Once this block's reads have all landed and an expert has
+        decode step: all together, `_multiply_together`), then the right guesses, then the reads in expert
+        order, so that none waits behind a read; their outputs are added in expert order (`_InExpertOrder`),
+        transformers' sums. Once this block's reads have all landed and an expert has
         multiplied, the next block's likely experts (`_guessed`, ranked once, from the outputs multiplied by then)
         are read into the room that the reads not yet multiplied leave, topped up as they multiply."""
         block = self._blocks[layer]

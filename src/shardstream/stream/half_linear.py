@@ -68,9 +68,9 @@ def rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     flat = x.reshape(-1, in_features).contiguous()
     step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
     out = torch.empty(count, out_features)
-    pointers = ctypes.c_void_p * count
+    pointers, strides = ctypes.c_void_p * count, ctypes.c_int64 * count
     _library().half_linear_rows(count, pointers(*(flat.data_ptr() + i * step for i in range(count))), in_features,
-                                pointers(*(w.data_ptr() for w in weights)), (ctypes.c_int64 * count)(*(w.stride(0) for w in weights)),
+                                pointers(*(w.data_ptr() for w in weights)), strides(*(w.stride(0) for w in weights)),
                                 out_features, out.data_ptr(), FORMATS[weights[0].dtype])
     return out
 
