@@ -75,6 +75,8 @@ def test_rows_gives_each_product_the_bits_of_linear(out_features, in_features, d
     assert half_linear.rows_fit(weights) and torch.equal(half_linear.rows(x, weights), want)
     assert not half_linear.rows_fit([*weights, _weight(out_features + 1, in_features, dtype)])
     assert not half_linear.rows_fit([*weights, weights[0].to(torch.float32)])
+    with pytest.raises(ValueError, match="one row of x, or one for each of the 5 weights, not 2"):
+        half_linear.rows(torch.randn(2, in_features), weights)
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("on", marks=needs_kernel), "off"])

@@ -144,6 +144,8 @@ def test_rows_gives_each_product_the_bits_of_linear(out_features, in_features, s
     assert int4_linear.rows_fit(weights) and torch.equal(int4_linear.rows(x, weights), want)
     assert not int4_linear.rows_fit([*weights, quant.quantize(randn(out_features + 16, in_features), "int4")])
     assert not int4_linear.rows_fit([quant.quantize(randn(40, in_features), "int4")])
+    with pytest.raises(ValueError, match="one row of x, or one for each of the 5 weights, not 2"):
+        int4_linear.rows(torch.randn(2, in_features), weights)
 
 
 @needs_kernel

@@ -66,6 +66,8 @@ def rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     kernel (`rows_fit` says when), each row the bits `linear` gives it."""
     count, (out_features, in_features) = len(weights), weights[0].shape
     flat = x.reshape(-1, in_features).contiguous()
+    if len(flat) not in (1, count):
+        raise ValueError(f"rows takes one row of x, or one for each of the {count} weights, not {len(flat)}")
     step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
     out = torch.empty(count, out_features)
     pointers, strides = ctypes.c_void_p * count, ctypes.c_int64 * count
