@@ -60,6 +60,16 @@ def build(source: Path, flags: list[str], libraries: list[str], log: logging.Log
         return None
 
 
+def row_addresses(x: torch.Tensor, count: int) -> ctypes.Array:
+    """The addresses of the rows of the 2-D, row-contiguous `x`, one for each of `count` products: its one row for
+    all, or a row each (a kernel that takes one input row a product); ValueError for any other number of rows,
+    whose reads would miss rows or run past `x`."""
+    if len(x) not in (1, count):
+        raise ValueError(f"rows takes one row of x, or one for each of the {count} weights, not {len(x)}")
+    step = x.stride(0) * x.element_size() if len(x) > 1 else 0
+    return (ctypes.c_void_p * count)(*(x.data_ptr() + i * step for i in range(count)))
+
+
 def find_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 

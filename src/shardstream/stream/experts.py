@@ -758,9 +758,11 @@ def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | Q
             if expert in held:
                 routings.setdefault(expert, []).append((token, place))
     experts = sorted(e for e, routed in routings.items() if len(routed) == 1)
+    if len(experts) < 2:
+        return set()
     weights = [held[e] for e in experts]
-    kernel = next((k for k in (int4_linear, half_linear) if len(experts) > 1
-                   and all(k.rows_fit([w[role] for w in weights]) for role in (GATE, UP, DOWN))), None)
+    kernel = next((k for k in (int4_linear, half_linear)
+                   if all(k.rows_fit([w[role] for w in weights]) for role in (GATE, UP, DOWN))), None)
     if kernel is None or (kernel is half_linear and hidden_states.dtype not in (torch.float32, weights[0][GATE].dtype)):
         return set()
     dtype, count = hidden_states.dtype, len(experts)

@@ -26,6 +26,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from ..switches import HALF_KERNEL
 from . import quant_linear
 
@@ -66,12 +67,9 @@ def rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     kernel (`rows_fit` says when), each row the bits `linear` gives it."""
     count, (out_features, in_features) = len(weights), weights[0].shape
     flat = x.reshape(-1, in_features).contiguous()
-    if len(flat) not in (1, count):
-        raise ValueError(f"rows takes one row of x, or one for each of the {count} weights, not {len(flat)}")
-    step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
     out = torch.empty(count, out_features)
     pointers, strides = ctypes.c_void_p * count, ctypes.c_int64 * count
-    _library().half_linear_rows(count, pointers(*(flat.data_ptr() + i * step for i in range(count))), in_features,
+    _library().half_linear_rows(count, native.row_addresses(flat, count), in_features,
                                 pointers(*(w.data_ptr() for w in weights)), strides(*(w.stride(0) for w in weights)),
                                 out_features, out.data_ptr(), FORMATS[weights[0].dtype])
     return out

@@ -64,12 +64,9 @@ def rows(x: torch.Tensor, weights: list[quant.QuantizedTensor]) -> torch.Tensor:
     row the bits `linear` gives it."""
     count, (out_features, in_features) = len(weights), weights[0].meta["shape"]
     flat = x.reshape(-1, in_features).float().contiguous()
-    if len(flat) not in (1, count):
-        raise ValueError(f"rows takes one row of x, or one for each of the {count} weights, not {len(flat)}")
-    step = flat.stride(0) * flat.element_size() if len(flat) > 1 else 0
     out = torch.empty(count, out_features)
     pointers = ctypes.c_void_p * count
-    _library().int4_linear_rows(count, pointers(*(flat.data_ptr() + i * step for i in range(count))), in_features,
+    _library().int4_linear_rows(count, native.row_addresses(flat, count), in_features,
                                 pointers(*(w.data.data_ptr() for w in weights)),
                                 pointers(*(w.absmax.data_ptr() for w in weights)), out_features, out.data_ptr())
     return out
