@@ -7,17 +7,12 @@ pay for torch and transformers.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 
-# OpenMP threads (torch's and the quantized kernel's, one libgomp) sleep at a barrier instead of spinning
-# for it. Spinning wins only on cores nothing else wants; beside other work (another rank or agent on the
-# same machine, a server's threads, any other process) a spinning thread burns the time slice its peer
-# needs (docs/BENCHMARKS.md, "Real shapes").
-# It takes effect only if torch is first imported after this (libgomp reads it once, when loaded);
-# set OMP_WAIT_POLICY yourself to choose otherwise.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from . import openmp
+
+openmp.choose()   # OMP_WAIT_POLICY, before torch loads
 
 __version__ = "0.1.0"
 __all__ = ["AutoModel", "ConversionOptions", "EngineOptions", "convert", "open_store", "sepweight"]

@@ -20,13 +20,17 @@ from pathlib import Path
 
 import torch
 
+from . import openmp
+from .switches import WORK_POOL
+
 
 def build(source: Path, flags: list[str], libraries: list[str], log: logging.Logger, what: str,
           without: str) -> ctypes.CDLL | None:
     """`source` compiled against torch's headers and `libraries` (e.g. "c10"), and loaded; None where it
     cannot be, after an INFO line "`what`: off (why)[: `without`]" says what runs instead."""
     torch_dir = Path(torch.__file__).parent
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))   # those it may include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         compiler = find_compiler()
@@ -42,7 +46,7 @@ def build(source: Path, flags: list[str], libraries: list[str], log: logging.Log
         os.close(handle)
         command = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", *flags,
                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                   f"-I{torch_dir / 'include'}", str(source), f"-L{torch_dir / 'lib'}",
+                   f"-I{torch_dir / 'include'}", f"-I{source.parent}", str(source), f"-L{torch_dir / 'lib'}",
                    *(f"-l{name}" for name in libraries), f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", partial]
         try:
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
@@ -54,10 +58,19 @@ def build(source: Path, flags: list[str], libraries: list[str], log: logging.Log
             return None
         os.replace(partial, target)
     try:
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
     except OSError as error:
         log.info("%s: off (cannot load %s: %s): %s", what, target, error, without)
         return None
+    if hasattr(library, "work_pool_use"):   # it includes stream/work_pool.h
+        library.work_pool_use(int(use_work_pool()))
+    return library
+
+
+def use_work_pool() -> bool:
+    """Whether the kernels split a decode step's products over threads of their own (stream/work_pool.h):
+    where OpenMP's threads sleep (openmp.py), unless $SHARDSTREAM_WORK_POOL=0."""
+    return not openmp.SPINS and not WORK_POOL.off()
 
 
 def row_addresses(x: torch.Tensor, count: int) -> ctypes.Array:

@@ -47,10 +47,13 @@ PASS_MEMORY = Switch("SHARDSTREAM_PASS_MEMORY", "1", "`0`: a pass maps its large
                      "operation instead of reusing them within the pass")
 COPY_AHEAD = Switch("SHARDSTREAM_COPY_AHEAD", "1", "`0`: on a GPU, streamed pieces are copied to it on the reader "
                     "threads, not queued on a copy stream ahead of their use")
+WORK_POOL = Switch("SHARDSTREAM_WORK_POOL", "1", "`0`: the native kernels split a decode step's products over "
+                   "torch's OpenMP threads, not over threads of their own that stay awake between the products "
+                   "(they do so only where OpenMP's threads sleep: OMP_WAIT_POLICY=PASSIVE, shardstream's default)")
 TOKEN = Switch("SHARDSTREAM_TOKEN", "", "the pipeline's shared secret, for `agent` and `coordinator` (`--token`)")
 API_KEY = Switch("SHARDSTREAM_API_KEY", "", "the key `serve` and `coordinator --serve-port` require (`--api-key`)")
 PARENT_PID = Switch("SHARDSTREAM_PARENT_PID", "", "set by a process that starts local pipeline agents, so that they "
                     "stop with it; not for users")
 
-ALL = (CPU_FLAGS, DIRECT_IO, CACHE, HALF_KERNEL, QUANT_KERNEL, INT4_KERNEL, TRITON, PASS_MEMORY, COPY_AHEAD, TOKEN,
-       API_KEY, PARENT_PID)
+ALL = (CPU_FLAGS, DIRECT_IO, CACHE, HALF_KERNEL, QUANT_KERNEL, INT4_KERNEL, TRITON, PASS_MEMORY, COPY_AHEAD, WORK_POOL,
+       TOKEN, API_KEY, PARENT_PID)

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "work_pool.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -331,7 +333,7 @@ template <int R, int C>
 void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const Weights& rest, float* y, int64_t ys) {
   const int64_t vectors = N / kGroup * kPerGroup;
   const int64_t tiles = vectors / C, singles = vectors % C, tail = N % kGroup;
-  at::parallel_for(0, tiles + singles + (tail ? 1 : 0), 1, [&](int64_t begin, int64_t end) {
+  const auto span = [&](int64_t begin, int64_t end) {
     std::vector<Int> split;
     for (int64_t t = begin; t < end; ++t) {
       if (t < tiles) {
@@ -344,7 +346,9 @@ void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const
         for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ys + N / kGroup * kGroup, out.data() + m * kGroup, tail * sizeof(float));
       }
     }
-  });
+  };
+  if (M <= kNarrowRows) work_pool::parallel_for(0, tiles + singles + (tail ? 1 : 0), span);   // a decode step's
+  else at::parallel_for(0, tiles + singles + (tail ? 1 : 0), 1, span);
 }
 
 }  // namespace
@@ -384,7 +388,7 @@ extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K
   }
   const int64_t vectors = N / kGroup * kPerGroup;
   const int64_t tiles = vectors / kNarrowColumns, items = tiles + vectors % kNarrowColumns;
-  at::parallel_for(0, count * items, 1, [&](int64_t begin, int64_t end) {
+  work_pool::parallel_for(0, count * items, [&](int64_t begin, int64_t end) {
     std::vector<Int> split;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / items, item = t % items;

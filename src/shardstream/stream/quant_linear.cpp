@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "work_pool.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -382,6 +384,8 @@ void decode_group(const W& w, int64_t n, int64_t K, int64_t stride, float* buffe
 // at a time. The panel is the larger, so that x, read again for each panel, is read fewer times.
 constexpr int64_t kPanelBytes = 512 << 10;
 constexpr int64_t kRowBlockBytes = 96 << 10;
+// Up to this many rows (a decode step's) a product is short, and split over work_pool's threads.
+constexpr int64_t kFewRows = 4;
 
 // Every group of C output columns against all M rows, in tiles of R rows, the groups split over threads, a
 // panel of them against a block of rows at a time. For fewer than `buffer_rows` rows, each tile decodes its
@@ -396,7 +400,7 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
   // One block of rows stays in cache whatever the panel: then a panel of one group, read while in L1.
   const int64_t panel_bits = C * stride * (buffered ? 32 : W::kBits);
   const int64_t panel = M <= block ? 1 : std::max<int64_t>(1, kPanelBytes * 8 / panel_bits);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  const auto span = [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(buffered ? std::min(panel, end - begin) * C * stride : 0);
     for (int64_t first = begin; first < end; first += panel) {
       const int64_t last = std::min(end, first + panel);
@@ -414,7 +418,9 @@ void by_groups(const float* x, int64_t M, int64_t K, int64_t xs, const W& w, int
         }
       }
     }
-  });
+  };
+  if (M <= kFewRows) work_pool::parallel_for(0, groups, span);
+  else at::parallel_for(0, groups, 1, span);
   for (int64_t n = groups * C; n < N; ++n) rows<1, R>(x, M, xs, FromCodes<W>{w, n}, K, y + n, ys);   // the last N % C
 }
 
@@ -440,7 +446,7 @@ void one_row_span(const float* x, int64_t K, const W& w, int64_t begin, int64_t 
 
 template <class W>
 void one_row(const float* x, int64_t K, const W& w, int64_t N, float* y) {
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) { one_row_span(x, K, w, begin, end, y); });
+  work_pool::parallel_for(0, N, [&](int64_t begin, int64_t end) { one_row_span(x, K, w, begin, end, y); });
 }
 
 // `count` one-row products y_i = x_i @ W_iᵀ against 16-bit weights, each N x K with rows ws[i] apart (y's rows
@@ -450,7 +456,7 @@ void one_row(const float* x, int64_t K, const W& w, int64_t N, float* y) {
 template <int Format>
 void half_rows(int64_t count, const float* const* x, int64_t K, const uint16_t* const* w, const int64_t* ws,
                int64_t N, float* y) {
-  at::parallel_for(0, count * N, 1, [&](int64_t begin, int64_t end) {
+  work_pool::parallel_for(0, count * N, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end;) {
       const int64_t i = at / N, first = at % N, last = std::min(N, first + end - at);
       one_row_span(x[i], K, HalfWeight<Format>{w[i], ws[i], K}, first, last, y + i * N);
