@@ -1,12 +1,10 @@
 """Reading streamed blocks past the page cache (stream/direct.py), with O_DIRECT or read and dropped: same
 logits as mapping, checksums still checked on the first read, quantized stores, nothing of the blocks
-left in the page cache, and a clean fallback where the filesystem refuses O_DIRECT; and the parts that stay in
-memory read into huge pages."""
+left in the page cache, and a clean fallback where the filesystem refuses O_DIRECT."""
 
 from __future__ import annotations
 
 import ctypes
-import gc
 import mmap
 import os
 import shutil
@@ -113,44 +111,6 @@ def test_corrupt_block_fails_its_checksum_on_the_first_direct_read(tmp_path, mon
             model(IDS)
     finally:
         model.close()
-
-
-def _mapped_files(store) -> set[str]:
-    """The store's files this process has mapped (/proc/self/maps)."""
-    root = str(store.resolve())
-    with open("/proc/self/maps") as maps:
-        return {line.split()[-1] for line in maps if line.split()[-1].startswith(root)}
-
-
-@pytest.mark.parametrize("compression", [None, "int4"])
-def test_resident_parts_are_read_into_huge_pages_not_mapped(tmp_path, monkeypatch, compression):
-    """A model that fits stays in memory in buffers of its own that ask for huge pages, read with O_DIRECT (no
-    second copy in the page cache, no file mapped); mapped where the user says `off` or the kernel gives no
-    huge pages. Same logits either way."""
-    store = build(tmp_path, compression)
-    parts = open_store(store).manifest.parts
-    files = {str((store / f).resolve()) for rec in parts.values() for f in rec.files}
-    got = {}
-    for mode, huge in (("off", True), ("auto", True), ("auto", False)):
-        monkeypatch.setenv(DIRECT_IO.name, mode)
-        monkeypatch.setattr(direct, "huge_pages", lambda huge=huge: huge)
-        for path in files:   # start cold
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        model = AutoModel.from_pretrained(store)
-        try:
-            got[mode, huge] = model(IDS).logits
-            mapped, cached = _mapped_files(store) & files, sum(_cached_pages(path) for path in files)
-        finally:
-            model.close()
-        del model
-        gc.collect()   # the model's mappings go with it, before the next one is read
-        if mode == "auto" and huge:
-            assert not mapped and cached == 0, (mapped, cached)
-        else:
-            assert mapped and cached > 0
-    assert torch.equal(got["auto", True], got["off", True]) and torch.equal(got["auto", False], got["off", True])
 
 
 @pytest.fixture

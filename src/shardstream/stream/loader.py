@@ -111,8 +111,6 @@ class BlockLoader:
         self.reading = (block_reading(store, copy_free=device.type == "cuda", blocks=self.blocks)
                         if reading is None else reading)
         self._pool = BufferPool(pin=device.type == "cuda")
-        # resident parts on the CPU: read into buffers of their own where those get huge pages (_read_resident)
-        self._resident_direct = device.type == "cpu" and block_reading(store, memory=0) == "direct"
         self._experts = experts   # False: experts stored apart are left out (loaded on demand)
         self.mapper = mapper
         self.device = device
@@ -383,12 +381,7 @@ class BlockLoader:
                     tensors.update(self._read_direct(part, verify, keep))
                 except DirectUnsupported:
                     self.reading = "mapped"
-            elif resident and self._resident_direct:
-                try:
-                    tensors.update(self._read_resident(part, verify, keep, tied, mappings))
-                except DirectUnsupported:
-                    self._resident_direct = False
-            if not (direct and self.direct) and not (resident and self._resident_direct):
+            if not (direct and self.direct):
                 tensors.update(map_part(self.store, part, verify=verify, experts=self._experts,
                                         mappings=getattr(self._collect, "mappings", None) if mappings is None else mappings,
                                         keep_quantized=keep,
@@ -420,23 +413,6 @@ class BlockLoader:
             raise
         self._collect.buffers.extend(taken)
         return tensors
-
-    def _read_resident(self, part: str, verify: bool, keep: frozenset[str], tied: bool,
-                       mappings: list | None) -> dict[str, torch.Tensor]:
-        """A part that stays in memory, read with O_DIRECT into buffers of its own, backed by huge pages: a
-        product then reads its weight through one TLB entry every 2 MiB, where a mapping of the page cache
-        takes one every 4 KiB (docs/BENCHMARKS.md, section "Huge pages for what stays in memory"), and the
-        page cache keeps no second copy. The buffers join `mappings` (or the load's), so that
-        `release_unviewed` frees what conversion copied."""
-        mappings = getattr(self._collect, "mappings", None) if mappings is None else mappings
-
-        def read(file_name: str) -> memoryview:
-            buffer, view = read_direct(self.store, file_name, BufferPool(), verify)
-            if mappings is not None:
-                mappings.append(buffer)
-            return view
-
-        return self.store.load(part, read=read, verify=verify, experts=self._experts, keep_quantized=keep, tied=tied)
 
     def load(self, index: int, resident: bool = False) -> LoadedBlock:
         """Block `index` whole (a `resident` one to stay in memory: see `read`)."""
