@@ -112,7 +112,7 @@ def test_the_pool_gives_the_bits_of_openmp_in_every_kernel(pool_switch):
 
 
 def test_callers_on_several_threads_at_once_get_their_own_bits(pool_switch):
-    """One caller holds the pool; another thread's product runs on that thread alone meanwhile."""
+    """One caller holds the pool; another thread's product runs through torch's split meanwhile."""
     x = torch.randn(4, 200, generator=torch.Generator().manual_seed(2))
     products = _products()
     pool_switch(False)

@@ -34,15 +34,17 @@ class Pool {
  public:
   // fn(begin, end) over [0, n) in chunks of `chunk` items, by the caller and the workers awake, at most
   // at::get_num_threads() threads in all; the caller returns when every chunk is done. Run serially where
-  // that is one thread or one chunk, inside an OpenMP region, or while another thread holds the pool.
+  // that is one thread or one chunk, or inside an OpenMP region. False, and nothing run, while another
+  // thread holds the pool.
   template <class F>
-  void run(int64_t n, int64_t chunk, const F& fn) {
+  bool run(int64_t n, int64_t chunk, const F& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
     const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
     const int64_t chunks = (n + chunk - 1) / chunk;
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (threads <= 1 || chunks <= 1 || chunks > kMask || !busy.owns_lock()) {
+    if (threads <= 1 || chunks <= 1 || chunks > kMask) {
       if (n > 0) fn(0, n);
-      return;
+      return true;
     }
     hire(threads - 1);
     n_ = n;
@@ -59,6 +61,7 @@ class Pool {
     take(generation);
     for (int spins = 0; done_.load(std::memory_order_acquire) < chunks;)
       if (++spins % 64 == 0) sched_yield(); else _mm_pause();
+    return true;
   }
 
  private:
@@ -151,13 +154,15 @@ inline std::atomic<bool>& used() {
 }
 
 // at::parallel_for for the products of one or a few rows: with the pool, chunks of about a quarter of a
-// thread's share, so that the threads awake share what a late one does not take.
+// thread's share, so that the threads awake share what a late one does not take; torch's split where the
+// pool is not used or another thread holds it.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, const F& fn) {
-  if (!used().load(std::memory_order_relaxed)) return at::parallel_for(begin, end, 1, fn);
   const int64_t n = end - begin;
   const int64_t chunk = std::max<int64_t>(1, n / (4 * std::max(1, at::get_num_threads())));
-  pool().run(n, chunk, [&](int64_t first, int64_t last) { fn(begin + first, begin + last); });
+  if (!used().load(std::memory_order_relaxed) ||
+      !pool().run(n, chunk, [&](int64_t first, int64_t last) { fn(begin + first, begin + last); }))
+    at::parallel_for(begin, end, 1, fn);
 }
 
 }  // namespace work_pool
