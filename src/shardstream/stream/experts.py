@@ -715,11 +715,11 @@ class _InExpertOrder:
         self._order = deque(sorted(routed))
         self._waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, expert: int, token_idx: torch.Tensor, hidden: torch.Tensor) -> None:
+    def add(self, expert: int, token_idx: torch.Tensor | int, hidden: torch.Tensor) -> None:
+        """The expert's output rows `hidden` for its tokens (a tensor of distinct tokens, or one token's index)."""
         self._waiting[expert] = (token_idx, hidden)
         while self._order and self._order[0] in self._waiting:
-            token_idx, hidden = self._waiting.pop(self._order.popleft())
-            self.total.index_add_(0, token_idx, hidden.to(self.total.dtype))
+            _add_rows(self.total, *self._waiting.pop(self._order.popleft()))
 
     def so_far(self) -> torch.Tensor:
         """The outputs multiplied so far, those waiting for a lower expert's too."""
@@ -727,8 +727,18 @@ class _InExpertOrder:
             return self.total
         partial = self.total.clone()
         for token_idx, hidden in self._waiting.values():
-            partial.index_add_(0, token_idx, hidden.to(partial.dtype))
+            _add_rows(partial, token_idx, hidden)
         return partial
+
+
+def _add_rows(total: torch.Tensor, tokens: torch.Tensor | int, rows: torch.Tensor) -> None:
+    """total[tokens] += rows, as transformers' `index_add_` adds them (the same bits: one addition an element, the
+    tokens distinct); one token's row as an in-place add into its view, which costs the CPU a small part of what
+    `index_add_` does."""
+    if isinstance(tokens, int):
+        total[tokens] += rows[0].to(total.dtype)
+    else:
+        total.index_add_(0, tokens, rows.to(total.dtype))
 
 
 def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor], expert: int,
@@ -739,7 +749,8 @@ def _multiply(block: _Block, weights: dict[str, torch.Tensor | QuantizedTensor],
     top_k_pos, token_idx = torch.where(top_k_index.t() == expert)
     state = hidden_states[token_idx]
     hidden = block.act(_product(state, weights[GATE])) * _product(state, weights[UP])
-    out.add(expert, token_idx, _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None])
+    out.add(expert, token_idx if len(token_idx) > 1 else int(token_idx[0]),
+            _product(hidden, weights[DOWN]) * top_k_weights[token_idx, top_k_pos, None])
 
 
 def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | QuantizedTensor]],
@@ -775,7 +786,7 @@ def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | Q
     down = kernel.rows(hidden.float(), [w[DOWN] for w in weights]).to(dtype)
     routing = top_k_weights[list(tokens), list(places), None]
     for expert, token, output in zip(experts, tokens, (down * routing).split(1)):
-        out.add(expert, torch.tensor([token]), output)
+        out.add(expert, token, output)
     return set(experts)
 
 
