@@ -633,13 +633,13 @@ class _Guesses:
 def _ranked(picks: torch.Tensor, weights: torch.Tensor, count: int) -> list[int]:
     """The experts of a module of `count` among router `picks` (others: not its own), by the routing `weights`
     given them summed over the tokens: a single token's likeliest first, and over many, those most of them
-    weigh most."""
-    picks, weights = picks.flatten(), weights.flatten().float()
-    mine = (picks >= 0) & (picks < count)
-    picks, weights = picks[mine], weights[mine]
-    tally = torch.bincount(picks, weights=weights, minlength=count)
-    tally[torch.bincount(picks, minlength=count) == 0] = -1   # never picked: not a guess, whatever its weight
-    return torch.argsort(tally, descending=True, stable=True)[:int((tally >= 0).sum())].tolist()
+    weigh most (ties: the lower expert first). Summed in Python: a decode step's few picks cost less so than in
+    torch's small operations, each a call of its own."""
+    tally: dict[int, float] = {}
+    for expert, weight in zip(picks.flatten().tolist(), weights.flatten().float().tolist()):
+        if 0 <= expert < count:
+            tally[expert] = tally.get(expert, 0.0) + weight
+    return sorted(tally, key=lambda expert: (-tally[expert], expert))
 
 
 def _read_as_stored(stored: torch.dtype, dims: int, dtype: torch.dtype, device: torch.device) -> bool:
