@@ -33,7 +33,8 @@ def test_openmp_spins_as_libgomp_reads_its_settings(environ, torch_loaded, spin)
 
 
 def _probe(code: str, env: dict[str, str] | None = None) -> dict:
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SHARDSTREAM_WORK_POOL")}
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SHARDSTREAM_WORK_POOL")}
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})})
     assert ran.returncode == 0, ran.stderr
@@ -48,7 +49,8 @@ def _probe(code: str, env: dict[str, str] | None = None) -> dict:
     ("shardstream", {"SHARDSTREAM_WORK_POOL": "0"}, False),
 ])
 def test_the_pool_is_used_only_where_openmp_threads_sleep(first, env, used):
-    got = _probe(f"import json, {first}, shardstream, shardstream.native as n; print(json.dumps(n.use_work_pool()))", env)
+    got = _probe(f"import json, {first}, shardstream, shardstream.native as n; print(json.dumps(n.use_work_pool()))",
+                 env)
     assert got is used
 
 
@@ -84,7 +86,8 @@ def _products() -> dict[str, callable]:
 
 @pytest.fixture
 def pool_switch():
-    libraries = [lib for lib in (half_linear._library(), int4_linear._library(), quant_linear._library()) if lib is not None]
+    libraries = [library for library in (half_linear._library(), int4_linear._library(), quant_linear._library())
+                 if library is not None]
     if len(libraries) < 3:
         pytest.skip("the native kernels do not build here")
 

@@ -30,7 +30,8 @@ def build(source: Path, flags: list[str], libraries: list[str], log: logging.Log
     cannot be, after an INFO line "`what`: off (why)[: `without`]" says what runs instead."""
     torch_dir = Path(torch.__file__).parent
     headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))   # those it may include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():
         compiler = find_compiler()

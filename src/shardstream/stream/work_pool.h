@@ -33,9 +33,9 @@ constexpr auto kAwake = std::chrono::milliseconds(2);
 class Pool {
  public:
   // fn(begin, end) over [0, n) in chunks of `chunk` items, by the caller and the workers awake (one fewer
-  // than the most threads at::get_num_threads() has said so far); the caller returns when every chunk is done. Run serially where
-  // that is one thread or one chunk, or inside an OpenMP region. False, and nothing run, while another
-  // thread holds the pool.
+  // than the most threads at::get_num_threads() has said so far); the caller returns when every chunk is
+  // done. Run serially where that is one thread or one chunk, or inside an OpenMP region. False, and
+  // nothing run, while another thread holds the pool.
   template <class F>
   bool run(int64_t n, int64_t chunk, const F& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
