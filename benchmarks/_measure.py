@@ -48,6 +48,17 @@ def openmp(env: dict[str, str]) -> str:
     return " ".join(said) or "libgomp's defaults"
 
 
+def our_openmp(env: dict[str, str]) -> str:
+    """`openmp` for a shardstream child, and whose threads split its decode steps' products (stream/work_pool.h):
+    its kernels' own where OpenMP's threads sleep, else OpenMP's."""
+    from shardstream import openmp as policy
+    from shardstream.switches import WORK_POOL
+
+    own = env.get(WORK_POOL.name) != "0" and not policy.spins(env, torch_loaded=False)
+    threads = "its kernels' own threads" if own else "OpenMP's threads"
+    return f"{openmp(env)}, a decode step's products on {threads}"
+
+
 def files_under(path: Path) -> list[Path]:
     path = Path(path)
     if path.is_file():

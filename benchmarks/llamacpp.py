@@ -63,7 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llamacpp  # noqa: E402
 import moe  # noqa: E402
-from _measure import cgroup_peak, cpu_model, evict, markdown_table, openmp, our_env, peer_env  # noqa: E402
+from _measure import cgroup_peak, cpu_model, evict, markdown_table, openmp, our_env, our_openmp, peer_env  # noqa: E402
 from stream import CAPS, MEMCAP, build, quantized_store  # noqa: E402
 from real_shapes import SHAPES, checkpoint_bytes, shape_config  # noqa: E402  (stream put scripts/ on the path)
 
@@ -382,7 +382,7 @@ def cpu_path(args, llama: dict) -> str:
               "not masked: shardstream's defaults on this CPU; llama.cpp built with `-DGGML_NATIVE=ON`")
     where = f"; llama.cpp tools in {llama['bin']}" if "bin" in llama else ""
     return (f"CPU: {cpu_model()} ({os.cpu_count()} cores), flags: {listed}. Path: {masked}{where}. OpenMP: "
-            f"llama.cpp with {openmp(peer_env())}, shardstream with {openmp(our_env())}.")
+            f"llama.cpp with {openmp(peer_env())}, shardstream with {our_openmp(our_env())}.")
 
 
 def main() -> None:

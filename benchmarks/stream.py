@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from _measure import (cgroup_peak, cpu_model, cpu_times, evict, markdown_table, openmp, our_env, peer_env,  # noqa: E402
+from _measure import (cgroup_peak, cpu_model, cpu_times, evict, markdown_table, openmp, our_env, our_openmp, peer_env,  # noqa: E402
                       stolen_share)
 from real_shapes import SHAPES, shape_config, write_checkpoint  # noqa: E402
 
@@ -761,7 +761,7 @@ def main() -> None:
     print(f"\n{model}{os.cpu_count()} CPU cores ({cpu_model()}), {platform.machine()}; torch "
           f"{__import__('torch').__version__}, transformers {__import__('transformers').__version__}; 1-min load "
           f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after. OpenMP: transformers, accelerate and "
-          f"AirLLM with {openmp(peer_env())}, shardstream with {openmp(our_env())}.")
+          f"AirLLM with {openmp(peer_env())}, shardstream with {our_openmp(our_env())}.")
 
 
 def bf16_flags() -> str:
