@@ -758,7 +758,7 @@ def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | Q
                        out: _InExpertOrder) -> set[int]:
     """`_multiply` of the experts at hand (`held`) that one token alone routes to (a decode step's, or each of a
     batch's few), all of them at once: their gates and ups in one kernel call and their downs in another (`rows`:
-    one fork and join of the threads for all, not three an expert), the same operations on the same values
+    one split over the threads for all, not three an expert), the same operations on the same values
     otherwise, so the same bits. Returns the experts multiplied: none where fewer than two qualify or their
     weights are not all int4 or all bfloat16/float16 on the CPU."""
     if len(held) < 2 or hidden_states.device.type != "cpu":

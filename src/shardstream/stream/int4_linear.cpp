@@ -10,8 +10,9 @@
 //
 // Builds (int4_linear.py picks the flags): AVX-512 with VNNI (a vector is a group's 16 columns; vpdpbusd
 // sums four byte products a lane), AVX2 with AVX-VNNI (8 columns, the 256-bit vpdpbusd) or AVX2 alone (8
-// columns, vpmaddubsw then vpmaddwd). Work is split over torch's threads by tiles of columns; each tile
-// walks every row, R rows at a time, so the tile's codes are read from memory once and from cache after.
+// columns, vpmaddubsw then vpmaddwd). Work is split over threads by tiles of columns (a decode step's few
+// rows over work_pool.h's, more over torch's); each tile walks every row, R rows at a time, so the tile's codes
+// are read from memory once and from cache after.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -328,7 +329,8 @@ void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, float
 }
 
 // Every full group's columns in tiles of C vectors (the last tile's remaining vectors one at a time), and the
-// last N % 16 columns from a copy widened to a group, over torch's threads.
+// last N % 16 columns from a copy widened to a group, over work_pool.h's threads for the narrow tile's few
+// rows, else torch's.
 template <int R, int C>
 void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const Weights& rest, float* y, int64_t ys) {
   const int64_t vectors = N / kGroup * kPerGroup;
@@ -375,8 +377,8 @@ extern "C" void int4_linear(const float* x, int64_t M, int64_t K, int64_t xs, co
 }
 
 // `count` one-row products, y_i = x_i @ W_iᵀ (the rows of y, N floats apart), every W_i N x K with N a multiple
-// of 16: their column tiles split over torch's threads at once, so that a token's few small matrices (an MoE
-// block's routed experts) cost one fork and join, not one each. Each distinct x_i (a pointer repeated in a row
+// of 16: their column tiles split over work_pool.h's threads at once, so that a token's few small matrices (an
+// MoE block's routed experts) cost one split and wait, not one each. Each distinct x_i (a pointer repeated in a row
 // counts once) is quantized once. Every output is the same sum as int4_linear's.
 extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K, const uint8_t* const* codes,
                                  const uint16_t* const* scales, int64_t N, float* y) {

@@ -11,11 +11,12 @@
 // its k with fused multiply-adds, k ascending, then the lanes are added in a fixed tree. So a row gives the
 // same bits alone or in any batch.
 //
-// Work is split over torch's threads by groups of output columns, and each thread multiplies a panel of its
-// groups by x a block of rows at a time, both sized for the L2 cache. For fewer than `buffer_rows` rows
-// (a 16-bit W: any number), each tile decodes its weights into registers; from then on, each panel is
-// decoded once into a buffer that every row reads. One row of x against a 16-bit W reads W as a few
-// sequential streams instead (one_row).
+// Work is split over threads by groups of output columns (a decode step's few rows, kFewRows, over
+// work_pool.h's threads, more over torch's), and each thread multiplies a panel of its groups by x a block
+// of rows at a time, both sized for the L2 cache. For fewer than `buffer_rows` rows (a 16-bit W: any
+// number), each tile decodes its weights into registers; from then on, each panel is decoded once into a
+// buffer that every row reads. One row of x against a 16-bit W reads W as a few sequential streams instead
+// (one_row).
 // Built for AVX-512F (16 lanes, tiles of 6 rows x 4 columns, or 8 x 3 for 7-8 rows) or, where the CPU has
 // no AVX-512, AVX2 + FMA + F16C (8 lanes, 4 x 3 tiles): quant_linear.py picks the flags. A 4-bit code is
 // looked up in registers among its block's 16 values, made once a block (AVX2: a byte shuffle per byte of the
@@ -450,9 +451,9 @@ void one_row(const float* x, int64_t K, const W& w, int64_t N, float* y) {
 }
 
 // `count` one-row products y_i = x_i @ W_iᵀ against 16-bit weights, each N x K with rows ws[i] apart (y's rows
-// N floats apart): all their rows split over torch's threads at once, each thread's share of a W read as
-// one_row reads it, so that a token's few small matrices (an MoE block's routed experts) cost one fork and
-// join, not one each.
+// N floats apart): all their rows split over work_pool.h's threads at once, each share of a W read as one_row
+// reads it, so that a token's few small matrices (an MoE block's routed experts) cost one split and wait, not
+// one each.
 template <int Format>
 void half_rows(int64_t count, const float* const* x, int64_t K, const uint16_t* const* w, const int64_t* ws,
                int64_t N, float* y) {
