@@ -19,6 +19,7 @@ from shardstream.convert import convert
 from shardstream import AutoModel
 from shardstream.stream import quant_linear
 from shardstream.store import open_store
+from shardstream import native
 from shardstream.native import find_compiler
 from shardstream.switches import QUANT_KERNEL
 from counting import linear_dequantizations
@@ -190,6 +191,6 @@ def test_without_a_working_compiler_the_kernel_is_off_and_says_why(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
-    if torch.backends.cpu.get_cpu_capability() in quant_linear.ISA_FLAGS:
+    if torch.backends.cpu.get_cpu_capability() in native.ISA_FLAGS:
         assert "quantized-weight kernel: off (building quant_linear.cpp failed" in run.stderr
         assert "dequantized on every pass" in run.stderr

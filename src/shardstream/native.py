@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 from . import openmp
-from .switches import WORK_POOL
+from .switches import WORK_POOL, Switch
+
+# Compiler flags per torch CPU capability: a vector kernel is built for the widest vectors the CPU has.
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 def build(source: Path, flags: list[str], libraries: list[str], log: logging.Logger, what: str,
@@ -66,6 +69,21 @@ def build(source: Path, flags: list[str], libraries: list[str], log: logging.Log
     if hasattr(library, "work_pool_use"):   # it includes stream/work_pool.h
         library.work_pool_use(int(use_work_pool()))
     return library
+
+
+def build_vector_kernel(source: Path, switch: Switch, log: logging.Logger, what: str, without: str,
+                        flags: tuple[str, ...] = (), libraries: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source` built (`build`) for the widest vectors torch's CPU capability reports (ISA_FLAGS), with `flags`,
+    and loaded; None where `switch` is "0" in the environment, the CPU has neither AVX-512 nor AVX2, or it
+    cannot be built, after an INFO line "`what`: off (why): `without`"."""
+    if switch.off():
+        log.info("%s: off (%s=0): %s", what, switch.name, without)
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ISA_FLAGS:
+        log.info("%s: off (this CPU has neither AVX-512 nor AVX2: torch reports %s): %s", what, capability, without)
+        return None
+    return build(source, ["-O3", *ISA_FLAGS[capability], *flags], list(libraries), log, what, without)
 
 
 def use_work_pool() -> bool:

@@ -41,6 +41,10 @@ QUANT_KERNEL = Switch("SHARDSTREAM_QUANT_KERNEL", "1", "`0`: 4-bit and 8-bit wei
                       "instead of multiplied from their codes on the CPU")
 INT4_KERNEL = Switch("SHARDSTREAM_INT4_KERNEL", "1", "`0`: int4 weights are dequantized on every pass instead of "
                      "multiplied with int8 dot products")
+ATTENTION_KERNEL = Switch("SHARDSTREAM_ATTENTION_KERNEL", "1", "`0`: a decode step's attention on the CPU runs "
+                          "torch's SDPA instead of the native kernel that shares it among the threads of the products")
+NORM_KERNEL = Switch("SHARDSTREAM_NORM_KERNEL", "1", "`0`: RMSNorm of float32 rows on the CPU runs transformers' "
+                     "forward instead of the native kernel")
 TRITON = Switch("SHARDSTREAM_TRITON", "1", "`0`: on a GPU, 4-bit and 8-bit weights are dequantized instead of "
                 "multiplied from their codes by the Triton kernel")
 PASS_MEMORY = Switch("SHARDSTREAM_PASS_MEMORY", "1", "`0`: a pass maps its large activations anew for every "
@@ -55,5 +59,5 @@ API_KEY = Switch("SHARDSTREAM_API_KEY", "", "the key `serve` and `coordinator --
 PARENT_PID = Switch("SHARDSTREAM_PARENT_PID", "", "set by a process that starts local pipeline agents, so that they "
                     "stop with it; not for users")
 
-ALL = (CPU_FLAGS, DIRECT_IO, CACHE, HALF_KERNEL, QUANT_KERNEL, INT4_KERNEL, TRITON, PASS_MEMORY, COPY_AHEAD, WORK_POOL,
-       TOKEN, API_KEY, PARENT_PID)
+ALL = (CPU_FLAGS, DIRECT_IO, CACHE, HALF_KERNEL, QUANT_KERNEL, INT4_KERNEL, ATTENTION_KERNEL, NORM_KERNEL, TRITON,
+       PASS_MEMORY, COPY_AHEAD, WORK_POOL, TOKEN, API_KEY, PARENT_PID)

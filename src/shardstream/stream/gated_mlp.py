@@ -20,11 +20,11 @@ things instead:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
+
+from .lean import use_forward
 
 # Bytes of one rows x intermediate tensor in a piece: small enough to stay off a prefill's peak, large
 # enough that a piece's products run as fast as the whole (docs/BENCHMARKS.md, "Beside llama.cpp on the CPU").
@@ -34,9 +34,7 @@ PIECE_BYTES = 8 << 20
 def use_lean_mlps(model: nn.Module) -> None:
     """Give every module of `model` whose forward is transformers' gated MLP the engine's forward (same
     module tree, same parameters)."""
-    for module in model.modules():
-        if _is_gated_mlp(type(module)):
-            module.__class__ = _lean(type(module))
+    use_forward(model, LlamaMLP.forward, lean_forward)
 
 
 def lean_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,18 +68,3 @@ def _piece_rows(self, x: torch.Tensor, rows: int) -> int:
                                      for p in (self.gate_proj, self.up_proj, self.down_proj)):
         return rows
     return max(1, PIECE_BYTES // (self.gate_proj.out_features * x.element_size()))
-
-
-@functools.cache
-def _is_gated_mlp(cls: type) -> bool:
-    """Whether `cls.forward` is, instruction for instruction, LlamaMLP's (the families copy it verbatim)."""
-    forward, reference = getattr(cls, "forward", None), LlamaMLP.forward.__code__
-    code = getattr(forward, "__code__", None)
-    return code is not None and all(getattr(code, field) == getattr(reference, field)
-                                    for field in ("co_code", "co_names", "co_consts", "co_varnames"))
-
-
-@functools.cache
-def _lean(cls: type) -> type:
-    return type(cls.__name__, (cls,), {"forward": lean_forward, "__doc__": lean_forward.__doc__,
-                                       "__module__": __name__})

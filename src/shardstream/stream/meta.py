@@ -11,8 +11,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..errors import InvalidOption, UnsupportedModel
 from ..store import Store
 from .compute_dtype import resolve_compute_dtype
+from .decode_attention import use_decode_attention
 from .gated_mlp import use_lean_mlps
 from .linear import use_streaming_layers
+from .rms_norm import use_lean_norms
 from .weights import parameters_on_meta
 
 
@@ -41,6 +43,8 @@ def build_meta_model(store: Store, dtype: str | torch.dtype | None, device: torc
         ) from None
     use_streaming_layers(model)
     use_lean_mlps(model)
+    use_lean_norms(model)
+    use_decode_attention(model)
     return model.eval()
 
 

@@ -54,8 +54,6 @@ _TABLES = {method: quant.code_table(method).contiguous() for method in BITS}
 # not a measured crossover (benchmarks/stream_gpu.py times both, with SHARDSTREAM_TRITON=0 and without).
 TRITON_ROWS = 16
 TRITON_DTYPES = tuple(quant.DTYPES[name] for name in ROUND)   # x's dtypes the Triton kernel computes for
-# Compiler flags per torch CPU capability: the kernel is built for the widest vectors the CPU has.
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 def linear(x: torch.Tensor, weight: quant.QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -133,15 +131,7 @@ def load_library(what: str, switch: Switch, without: str) -> ctypes.CDLL | None:
     """quant_linear.cpp built for the widest vectors torch's CPU capability reports, and loaded; None where
     `switch` is "0" in the environment or it cannot be built, after an INFO line "`what`: off (why): `without`".
     It serves this module's products and half_linear.py's, each with its own switch and log line."""
-    if switch.off():
-        log.info("%s: off (%s=0): %s", what, switch.name, without)
-        return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ISA_FLAGS:
-        log.info("%s: off (this CPU has neither AVX-512 nor AVX2: torch reports %s): %s", what, capability, without)
-        return None
-    library = native.build(SOURCE, ["-O3", *ISA_FLAGS[capability], "-fopenmp"], ["c10", "torch_cpu"], log, what,
-                           without)
+    library = native.build_vector_kernel(SOURCE, switch, log, what, without, ("-fopenmp",), ("c10", "torch_cpu"))
     if library is not None:
         i64, pointer = ctypes.c_int64, ctypes.c_void_p
         library.quant_linear.argtypes = [pointer, i64, i64, i64, pointer, pointer, i64, i64, pointer, pointer, i64,
