@@ -736,7 +736,7 @@ def _add_rows(total: torch.Tensor, tokens: torch.Tensor | int, rows: torch.Tenso
     tokens distinct); one token's row as an in-place add into its view, which costs the CPU a small part of what
     `index_add_` does."""
     if isinstance(tokens, int):
-        total[tokens] += rows[0].to(total.dtype)
+        total[tokens].add_(rows[0].to(total.dtype))   # into the view (`+=` would copy the view onto itself after)
     else:
         total.index_add_(0, tokens, rows.to(total.dtype))
 
@@ -778,13 +778,19 @@ def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | Q
         return set()
     dtype, count = hidden_states.dtype, len(experts)
     tokens, places = zip(*(routings[e][0] for e in experts))
-    states = hidden_states[list(tokens)].float()
-    gate_up = kernel.rows(torch.cat([states, states]), [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
+    if len(set(tokens)) == 1:   # a decode step's one token: its row, read by every product (no copies of it)
+        states = hidden_states[tokens[0]:tokens[0] + 1].float()
+        both = states
+    else:
+        states = hidden_states[list(tokens)].float()
+        both = torch.cat([states, states])
+    gate_up = kernel.rows(both, [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
     # the activation an expert's row at a time: torch's elementwise kernels take a short tensor's values one by
     # one and a longer one's by vectors, and an exponential's bits differ between the two
     hidden = torch.cat([block.act(gate) for gate in gate_up[:count].split(1)]) * gate_up[count:]
     down = kernel.rows(hidden.float(), [w[DOWN] for w in weights]).to(dtype)
-    routing = top_k_weights[list(tokens), list(places), None]
+    picked = top_k_weights.tolist()   # the routing weights by value (exact in a Python float): no tensor indexing
+    routing = torch.tensor([[picked[token][place]] for token, place in zip(tokens, places)], dtype=top_k_weights.dtype)
     for expert, token, output in zip(experts, tokens, (down * routing).split(1)):
         out.add(expert, token, output)
     return set(experts)
