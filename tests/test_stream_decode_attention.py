@@ -107,9 +107,12 @@ def test_only_models_running_sdpa_through_the_interface_run_under_the_engines_na
     assert not caplog.records   # falcon calls SDPA itself: transformers would warn that it cannot be switched
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral"])
-def test_a_models_decode_steps_give_transformers_logits(family):
-    reference = tiny_model(family)
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
+                                               ("gpt2", {}), ("mixtral", {}), ("mistral", {"sliding_window": 4})],
+                         ids=["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "mistral-window-4"])
+def test_a_models_decode_steps_give_transformers_logits(family, overrides):
+    # a sliding window of 4 keys, shorter than the cache: transformers then masks, and the call goes to SDPA
+    reference = tiny_model(family, **overrides)
     model = copy.deepcopy(reference)
     use_decode_attention(model)
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(5))
