@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from avx2_build import needs_avx2, run_as_avx2
 from shardstream.convert import convert
 from shardstream.stream import decode_attention
 from shardstream.stream.decode_attention import NAME, attention, takes, use_decode_attention
@@ -123,6 +124,32 @@ def test_a_models_decode_steps_give_transformers_logits(family, overrides):
             ours = model(step, past_key_values=ours.past_key_values, use_cache=True)
             theirs = reference(step, past_key_values=theirs.past_key_values, use_cache=True)
             torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=1e-5)
+
+
+AVX2_CHECK = textwrap.dedent("""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from shardstream.stream import decode_attention
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2" and decode_attention._library() is not None
+
+    class Module:
+        layer_idx, is_causal, num_key_value_groups = 0, True, 4
+
+    for length, dim in ((1, 64), (70, 64), (300, 128), (33, 80)):
+        query = torch.randn(2, 1, 32, dim).transpose(1, 2)
+        keys, values = (torch.randn(2, 8, length + 5, dim)[:, :, :length] for _ in range(2))
+        got, _ = decode_attention.attention(Module(), query, keys, values, None)
+        expected, _ = sdpa_attention_forward(Module(), query, keys, values, None)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
+
+@needs_avx2
+def test_the_avx2_build_gives_sdpas_outputs(tmp_path):
+    """Where torch reports AVX2 (forced here with ATEN_CPU_CAPABILITY on an AVX-512 machine), the kernel is built
+    for AVX2's vectors, with the same outputs."""
+    assert run_as_avx2(AVX2_CHECK, tmp_path) == "ok"
 
 
 STEP = textwrap.dedent("""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from avx2_build import needs_avx2, run_as_avx2
 from shardstream.stream import rms_norm
 from shardstream.stream.rms_norm import lean_forward, use_lean_norms
 from tiny_models import tiny_model
@@ -77,6 +78,7 @@ def test_gradients_flow_through_transformers_forward():
 SWITCHED = """
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from avx2_build import needs_avx2, run_as_avx2
 from shardstream.stream import rms_norm
 norm, x = LlamaRMSNorm(2048), torch.randn(1, 2048)
 with torch.no_grad():
@@ -89,3 +91,24 @@ def test_switched_off_every_call_runs_transformers_forward():
     done = subprocess.run([sys.executable, "-c", SWITCHED], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+AVX2_CHECK = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from shardstream.stream import rms_norm
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and rms_norm._library() is not None
+for size in (2048, 2047, 7):
+    norm = LlamaRMSNorm(size)
+    norm.weight.data = torch.randn(size)
+    x = torch.randn(3, size)
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm.lean_forward(norm, x), LlamaRMSNorm.forward(norm, x), rtol=1e-6, atol=1e-6)
+print("ok")
+"""
+
+
+@needs_avx2
+def test_the_avx2_build_gives_transformers_values(tmp_path):
+    """Where torch reports AVX2 (forced with ATEN_CPU_CAPABILITY on an AVX-512 machine), the same values."""
+    assert run_as_avx2(AVX2_CHECK, tmp_path) == "ok"
