@@ -67,9 +67,9 @@ def test_round_trip_error_within_bound_and_rows_read_alone_give_the_same_values(
     block_absmax = per_row_blocks(x).abs().amax(dim=1)
     assert bool((block_error <= block_absmax * quant.relative_error_bound("int4", dtype)).all())
     assert float((y.float() - x.float()).abs().max()) <= quant.max_abs_error_bound(x, "int4")
-    if x.dim() == 2:
-        rows = torch.tensor([shape[0] - 1, 0, shape[0] // 2, 0])
-        assert torch.equal(quant.dequantize_rows(q, rows), y[rows])
+    if x.dim() == 2:   # one row, a few (each read as a view of its group), every row (one gather, past FEW_ROWS)
+        for rows in ([shape[0] - 1], [shape[0] - 1, 0, shape[0] // 2, 0], list(range(shape[0]))[::-1] * 2):
+            assert torch.equal(quant.dequantize_rows(q, torch.tensor(rows)), y[rows])
 
 
 def test_the_bound_is_reached_and_zeros_stay_exact():

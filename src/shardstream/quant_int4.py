@@ -29,6 +29,7 @@ import torch.nn.functional as F
 BLOCK = 32   # values a scale
 GROUP = 16   # rows read side by side
 _CHUNK_ELEMENTS = 1 << 20   # padded values a step: bounded temporaries on a large tensor
+FEW_ROWS = 16   # rows `dequantize_rows` looks up one by one (a decode step's); more, by one gather
 
 
 def rows_and_columns(shape: list[int]) -> tuple[int, int]:
@@ -94,6 +95,13 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, shape: list[int], 
     straight from their bytes: an embedding kept packed looks up a pass's tokens."""
     total, columns = rows_and_columns(shape)
     count = blocks(columns)
+    if 0 < len(rows) <= FEW_ROWS:   # a decode step's tokens: each row's bytes as a strided view of its group's
+        codes, scale = zip(*(_row_view(data, scales, total, count, row) for row in rows.tolist()))
+        if len(rows) == 1:
+            pairs, scale = codes[0].unsqueeze(0), scale[0].unsqueeze(0)
+        else:
+            pairs, scale = torch.stack(codes), torch.stack(scale)
+        return _values(pairs, scale)[:, :columns]
     group, lane = rows.view(-1, 1, 1, 1) // GROUP, rows.view(-1, 1, 1, 1) % GROUP
     width = torch.where(group == total // GROUP, total % GROUP, GROUP)
     block = torch.arange(count).view(1, -1, 1, 1)
@@ -101,6 +109,17 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, shape: list[int], 
     at = group * GROUP * count * BLOCK // 2 + block * BLOCK // 2 * width + chunk * 4 * width + lane * 4 + byte
     scale_at = (group * GROUP * count + block * width + lane).view(len(rows), count)
     return _values(data[at], scales[scale_at])[:, :columns]
+
+
+def _row_view(data: torch.Tensor, scales: torch.Tensor, total: int, count: int, row: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `row`'s code bytes [blocks, 4 chunks, 4] and scales [blocks], as views: its group stores them block by
+    block, chunk by chunk, a run of 4 bytes for each of its rows side by side (`_grouped`)."""
+    group, lane = divmod(row, GROUP)
+    width = min(GROUP, total - group * GROUP)
+    start = group * GROUP * count
+    codes = data[start * BLOCK // 2:(start + count * width) * BLOCK // 2].view(count, 4, width, 4)[:, :, lane]
+    return codes, scales[start:start + count * width].view(count, width)[:, lane]
 
 
 def _values(pairs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
