@@ -78,7 +78,6 @@ def test_gradients_flow_through_transformers_forward():
 SWITCHED = """
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from avx2_build import needs_avx2, run_as_avx2
 from shardstream.stream import rms_norm
 norm, x = LlamaRMSNorm(2048), torch.randn(1, 2048)
 with torch.no_grad():
