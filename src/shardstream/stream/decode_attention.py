@@ -9,7 +9,7 @@ that stay awake between the step's products (work_pool.h) instead.
 The engine's models (meta.py) run transformers' "sdpa" attention under the name `NAME`, registered here with
 transformers' own SDPA mask: `attention` takes the calls it can compute the way SDPA does (float32 on the CPU,
 one query row, no mask, no dropout, nothing to differentiate) and hands every other to transformers' SDPA
-function unchanged. Its outputs equal SDPA's within float32 rounding (tests/test_decode_attention.py).
+function unchanged. Its outputs equal SDPA's within float32 rounding (tests/test_stream_decode_attention.py).
 `SHARDSTREAM_ATTENTION_KERNEL=0`, a CPU without AVX2 or no C++ compiler leave every call to SDPA.
 """
 
@@ -69,9 +69,10 @@ def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention
     query's head size whose last dimension is contiguous, heads a whole multiple of theirs, no mask, no dropout,
     no gradient to record, none of `SDPA_ONLY`, and the kernel built."""
     tensors = (query, key, value)
-    return (query.shape[2] == 1 and attention_mask is None and not dropout
+    return (attention_mask is None and not dropout
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 4 and t.stride(-1) == 1
                     for t in tensors)
+            and query.shape[2] == 1
             and key.shape[-1] == value.shape[-1] == query.shape[-1] and key.shape[:3] == value.shape[:3]
             and key.shape[0] == query.shape[0] and key.shape[2] > 0 and query.shape[1] % key.shape[1] == 0
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
