@@ -8,8 +8,8 @@
 // computes `softmax(scale * q·Kᵀ) V` in two passes over its scores: their maximum, then their exponentials
 // (Cephes' expf polynomial) and sum, then the weighted sum of the values.
 // Built with the ISA flags and -fno-trapping-math (which lets the compiler vectorize comparisons and rounding;
-// no fast-math): each loop over 16 lanes is one vector, and the sums run in a fixed order, so a row's output
-// does not depend on the threads or on the other rows.
+// no fast-math): the sums run over 16 lanes in a fixed order (lanes.h), so a row's output does not depend on
+// the threads or on the other rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,19 +17,14 @@
 #include <limits>
 #include <vector>
 
+#include "lanes.h"
 #include "work_pool.h"
 
 namespace {
 
-constexpr int kLanes = 16;
-
-// The sum of 16 lanes, added pairwise (8 + 8, then 4 + 4, ...): a few vector shuffles, not 16 dependent additions.
-float lane_sum(const float* lanes) {
-  float eight[8], four[4];
-  for (int l = 0; l < 8; ++l) eight[l] = lanes[l] + lanes[l + 8];
-  for (int l = 0; l < 4; ++l) four[l] = eight[l] + eight[l + 4];
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
+using lanes::dot;
+using lanes::kLanes;
+using lanes::lane_sum;
 
 float most(const float* x, int64_t n) {
   float lanes[kLanes];
@@ -51,16 +46,6 @@ float sum(const float* x, int64_t n) {
   float total = lane_sum(lanes);
   for (; i < n; ++i) total += x[i];
   return total;
-}
-
-float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
-  float sum = lane_sum(lanes);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 // x[i] = exp(x[i]) for x[i] <= 0 (scores less their maximum): Cephes' expf, 2^k exp(r) with |r| <= ln2 / 2;
