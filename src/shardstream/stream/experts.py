@@ -780,11 +780,10 @@ def _multiply_together(block: _Block, held: dict[int, dict[str, torch.Tensor | Q
     tokens, places = zip(*(routings[e][0] for e in experts))
     if len(set(tokens)) == 1:   # a decode step's one token: its row, read by every product (no copies of it)
         states = hidden_states[tokens[0]:tokens[0] + 1].float()
-        both = states
     else:
         states = hidden_states[list(tokens)].float()
-        both = torch.cat([states, states])
-    gate_up = kernel.rows(both, [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
+        states = torch.cat([states, states])
+    gate_up = kernel.rows(states, [w[GATE] for w in weights] + [w[UP] for w in weights]).to(dtype)
     # the activation an expert's row at a time: torch's elementwise kernels take a short tensor's values one by
     # one and a longer one's by vectors, and an exponential's bits differ between the two
     hidden = torch.cat([block.act(gate) for gate in gate_up[:count].split(1)]) * gate_up[count:]
