@@ -20,7 +20,7 @@ from shardstream.convert import convert
 from shardstream.stream import gated_mlp, half_linear
 from shardstream.stream.gated_mlp import lean_forward, use_lean_mlps
 from shardstream.stream.linear import FewRowsLinear
-from tiny_models import tiny_config, tiny_model
+from tiny_models import swapped_forwards, tiny_config, tiny_model
 
 GATED = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP",
          "gemma": "GemmaMLP", "qwen2_moe": "Qwen2MoeMLP"}   # qwen2_moe: its shared expert
@@ -29,12 +29,7 @@ GATED = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma", "qwen2_moe", "qwen3_moe",
                                     "gpt2", "phi3", "mixtral"])
 def test_gated_mlps_get_the_in_place_forward_and_give_the_same_bits(family):
-    reference = tiny_model(family)
-    model = copy.deepcopy(reference)
-    use_lean_mlps(model)
-    lean = [name for name, module in model.named_modules() if type(module).forward is lean_forward]
-    expected = [name for name, module in reference.named_modules() if type(module).__name__ == GATED.get(family)]
-    assert lean == expected
+    reference, model, lean = swapped_forwards(family, use_lean_mlps, lean_forward, GATED.get(family))
     assert bool(lean) == (family in GATED)   # gpt2's, phi3's fused and the MoE blocks' experts keep their own
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from avx2_build import needs_avx2, run_as_avx2
 from shardstream.stream import rms_norm
 from shardstream.stream.rms_norm import lean_forward, use_lean_norms
-from tiny_models import tiny_model
+from tiny_models import swapped_forwards
 
 pytestmark = pytest.mark.skipif(rms_norm._library() is None, reason="the kernel needs a C++ compiler")
 
@@ -25,12 +25,7 @@ COPIES = {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "qwen3": "Qwen3RMSNo
 
 @pytest.mark.parametrize("family", [*COPIES, "gemma", "gpt2"])
 def test_norms_running_llamas_code_get_the_kernel_and_transformers_values(family):
-    reference = tiny_model(family)
-    model = copy.deepcopy(reference)
-    use_lean_norms(model)
-    lean = [name for name, module in model.named_modules() if type(module).forward is lean_forward]
-    expected = [name for name, module in reference.named_modules() if type(module).__name__ == COPIES.get(family)]
-    assert lean == expected
+    reference, model, lean = swapped_forwards(family, use_lean_norms, lean_forward, COPIES.get(family))
     assert bool(lean) == (family in COPIES)   # gemma's adds 1 to its weight; gpt2 has LayerNorm
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -100,3 +100,16 @@ def endless_llama_store(folder: Path, context: int):
     tokenizer.save_pretrained(folder / "ckpt")
     convert(folder / "ckpt", folder / "store", progress=False)
     return folder / "store", reference
+
+
+def swapped_forwards(family: str, use, forward, class_name: str | None):
+    """A tiny model of `family` and a copy given `use` (the engine's forward swap): (reference, copy, names of the
+    copy's modules now running `forward`), after asserting those are exactly the modules of class `class_name`."""
+    import copy
+
+    reference = tiny_model(family)
+    model = copy.deepcopy(reference)
+    use(model)
+    swapped = [name for name, module in model.named_modules() if type(module).forward is forward]
+    assert swapped == [name for name, module in reference.named_modules() if type(module).__name__ == class_name]
+    return reference, model, swapped
