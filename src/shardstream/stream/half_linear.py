@@ -8,7 +8,8 @@ same tiles and the same fixed order of sums, so a row's product is the same bits
 Every thread multiplies a panel of its output columns, sized for the L2 cache, by x a block of rows at a
 time, and widens the values in registers at every row count: read from L2 at half the bytes, they beat a
 float32 buffer of them. One row (a decode step) is bound by reading the weight from memory: each thread
-reads its rows as four sequential streams, which the hardware prefetcher follows. docs/BENCHMARKS.md
+reads its rows as four sequential streams, each asking for its cache lines a fixed distance ahead
+(read_ahead.h), which a whole decode step needs more than a lone product does. docs/BENCHMARKS.md
 ("Products from bf16/fp16 weights on the CPU") has the speeds beside torch's.
 
 Where the kernel cannot run (no AVX-512 or AVX2, no C++ compiler, or `SHARDSTREAM_HALF_KERNEL=0`), the

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "read_ahead.h"
 #include "work_pool.h"
 
 #include <cmath>
@@ -213,13 +214,16 @@ struct Weights {
   const uint16_t* scales_of(int64_t j) const { return scales + j / kPerGroup * kGroup * B + j % kPerGroup * kLanes; }
 };
 
-// Where a tile's codes come from: the stored bytes, split into low and high nibbles as they are read; or, for
-// many rows, a buffer that holds them split once for all rows (kSplitRows).
+// Where a tile's codes come from: the stored bytes, split into low and high nibbles as they are read (each vector's
+// a stream that asks for its line read_ahead::kDistance bytes ahead: read_ahead.h); or, for many rows, a buffer
+// that holds them split once for all rows (kSplitRows).
 template <int C>
 struct Packed {
   const uint8_t* codes[C];
   inline void get(int c, int64_t b, int chunk, Int& low, Int& high) const {
-    const Int v = load_codes(codes[c] + b * 256 + chunk * 64);
+    const uint8_t* line = codes[c] + b * 256 + chunk * 64;
+    read_ahead::line_after(line);
+    const Int v = load_codes(line);
     low = low_nibbles(v);
     high = high_nibbles(v);
   }

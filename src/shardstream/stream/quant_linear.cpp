@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "read_ahead.h"
 #include "work_pool.h"
 
 #include <algorithm>
@@ -258,10 +259,11 @@ struct HalfWeight {
 
   inline int64_t run_end(int64_t) const { return K; }
   inline void enter(int64_t, int64_t, State&) const {}
-  inline Vec chunk(int64_t n, int64_t k, const State&) const { return widen<Format>(data + n * stride + k); }
+  inline const uint16_t* at(int64_t n, int64_t k) const { return data + n * stride + k; }
+  inline Vec chunk(int64_t n, int64_t k, const State&) const { return widen<Format>(at(n, k)); }
   inline Vec partial(int64_t n, int64_t k) const {
     uint16_t tail[kLanes];
-    return widen<Format>(padded(data + n * stride + k, K - k, tail));
+    return widen<Format>(padded(at(n, k), K - k, tail));
   }
 };
 
@@ -291,7 +293,8 @@ struct FromBuffer {
   inline Vec partial(int c, int64_t k) const { return load(buffer + c * stride + k); }
 };
 
-// C rows `gap` apart (row n0 + c * gap): each a stream of its own that goes on to the next row.
+// C rows `gap` apart (row n0 + c * gap): each a stream of its own that goes on to the next row, and asks for
+// its line read_ahead::kDistance bytes ahead as it enters each line (read_ahead.h).
 template <class W>
 struct FromRowsApart {
   static constexpr bool kPartialChunks = W::kPartialChunks;
@@ -301,7 +304,10 @@ struct FromRowsApart {
   int64_t gap;
   inline int64_t run_end(int64_t k) const { return w.run_end(k); }
   inline void enter(int c, int64_t k, State& state) const { w.enter(n0 + c * gap, k, state); }
-  inline Vec operator()(int c, int64_t k, const State& state) const { return w.chunk(n0 + c * gap, k, state); }
+  inline Vec operator()(int c, int64_t k, const State& state) const {
+    if (k * W::kBits / 8 % read_ahead::kLine == 0) read_ahead::line_after(w.at(n0 + c * gap, k));
+    return w.chunk(n0 + c * gap, k, state);
+  }
   inline Vec partial(int c, int64_t k) const { return w.partial(n0 + c * gap, k); }
 };
 
