@@ -1,5 +1,5 @@
-"""A tiny Mixtral with its experts on two tiers over a 2-stage pipeline of real agent processes:
-greedy output token-identical to transformers, each stage reading only the experts routed to."""
+"""A tiny Mixtral with its experts on two tiers over a 2-stage pipeline of real agent processes: each stage
+carries its experts' containers from both tiers, and the greedy output is token-identical to transformers'."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from shardstream.store import open_store
 from tiny_models import save_checkpoint
 
 TOKEN = "test-token"
-LAYERS, EXPERTS, TOP_K = 3, 4, 2
+LAYERS = 3   # the tiny Mixtral's blocks
 COLD = {(0, 1): "cold", (1, 3): "cold", (2, 0): "cold", (2, 2): "cold"}
 
 
@@ -68,13 +68,13 @@ def test_stages_carry_their_experts_from_both_tiers(pipeline):
     assert "sharding.json" in files
 
 
-def test_greedy_output_is_token_identical_reading_only_routed_experts(pipeline):
+def test_greedy_output_is_token_identical_with_the_experts_read_at_load(pipeline):
+    """Each stage's experts fit its memory, so its engine read them all at load (stream/experts.py, `preload`):
+    generating reads none, and the tokens are transformers'."""
     model, clients, reference = pipeline
-    assert _expert_loads(clients) == [0, 0]
     one = torch.tensor([[5]])
     assert torch.equal(model.generate(one, max_new_tokens=1), reference.generate(one, max_new_tokens=1, do_sample=False))
-    assert sum(_expert_loads(clients)) == LAYERS * TOP_K < LAYERS * EXPERTS  # one token: top_k experts a block
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
     out = model.generate(ids, max_new_tokens=12)
     assert torch.equal(out, reference.generate(ids, max_new_tokens=12, do_sample=False))
-    assert sum(_expert_loads(clients)) <= LAYERS * EXPERTS
+    assert _expert_loads(clients) == [0, 0]

@@ -141,10 +141,13 @@ def test_unplaced_store_is_refused_and_corrupt_expert_named(tmp_path):
         data = bytearray(path.read_bytes())
         data[record.offset + record.length - 1] ^= 0xFF
         path.write_bytes(bytes(data))
-    for experts in ("on_demand", "with_block"):
-        with StreamingModel(store, experts=experts, max_resident_memory=0) as model:
-            with pytest.raises(StoreCorrupt, match=r"group_0\.1\.experts \(expert 0:\d\) fails its checksum"):
+    corrupt = r"group_0\.1\.experts \(expert 0:\d\) fails its checksum"
+    for experts, held in (("on_demand", 0), ("with_block", "auto")):   # read on routing, or with the block
+        with StreamingModel(store, experts=experts, max_resident_memory=0, max_expert_memory=held) as model:
+            with pytest.raises(StoreCorrupt, match=corrupt):
                 model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(StoreCorrupt, match=corrupt):   # all of them fit: read, and checked, at load
+        StreamingModel(store, experts="on_demand", max_resident_memory=0)
 
 
 @pytest.mark.parametrize("experts_at_once", [1, 3])
@@ -165,6 +168,24 @@ def test_experts_held_stay_within_max_expert_memory(placed, budget, experts_at_o
         assert 0 < model.experts.cache.peak_bytes <= experts_at_once * one
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(tokens, reference.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_experts_that_all_fit_are_read_at_load(placed, file_reads):
+    """With max_expert_memory='auto' and room for them all, every expert is read once at load, so a pass reads no
+    file and every routing is served from memory, with transformers' logits; an explicit budget that holds them
+    all still reads on routing."""
+    reference, store = placed
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    routed, want = _routed(reference, ids)
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
+        assert len(file_reads) == len(model.experts.cache) == model.experts.count
+        got = model(ids).logits
+        assert len(file_reads) == model.experts.count and model.experts.loads == 0
+        assert model.experts.cache.stats.hits == routed and model.experts.cache.stats.misses == 0
+        assert (got - want.logits).abs().max().item() <= 1e-5
+    file_reads.clear()
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=None) as model:
+        assert not file_reads and not len(model.experts.cache)
 
 
 def test_experts_kept_serve_the_next_pass_unread(placed, file_reads):
@@ -196,9 +217,12 @@ def test_missing_expert_file_is_named(tmp_path):
     for record in load_index(store).experts.values():
         if record.group == 0:
             ((tmp_path / "cold") if record.tier == "cold" else store.root).joinpath(record.file).unlink(missing_ok=True)
-    with StreamingModel(store, experts="on_demand", max_resident_memory=0) as model:
-        with pytest.raises(StoreIncomplete, match=r"group_0\.1\.experts is missing; run `shardstream verify`"):
+    missing = r"group_0\.1\.experts is missing; run `shardstream verify`"
+    with StreamingModel(store, experts="on_demand", max_resident_memory=0, max_expert_memory=0) as model:
+        with pytest.raises(StoreIncomplete, match=missing):   # read on routing
             model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(StoreIncomplete, match=missing):   # all of them fit: read at load
+        StreamingModel(store, experts="on_demand", max_resident_memory=0)
 
 
 def _top_4_store(tmp: Path, model_type: str, dtype: torch.dtype = torch.float32, compression: str | None = None,

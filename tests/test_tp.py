@@ -150,7 +150,8 @@ def runs(tmp_path_factory):
              {"name": "other-model", "stores": [str(stores["llama"]), str(stores["qwen2"])]},
              {"name": "other-slices", "stores": [str(stores["llama"]), str(stores["llama-sliced"])]},
              {"name": "mixtral-3-experts", "stores": [str(three_experts)] * 2},
-             {"name": "mixtral-on-demand", "stores": [str(stores["mixtral-placed"])] * 2, "options": {"experts": "on_demand"}},
+             {"name": "mixtral-on-demand", "stores": [str(stores["mixtral-placed"])] * 2,
+              "options": {"experts": "on_demand", "max_expert_memory": None}},   # an explicit budget: read on routing
              {"name": "mixtral-on-demand-unplaced", "stores": [str(stores["mixtral"])] * 2,
               "options": {"experts": "on_demand"}}]
     references["mixtral-on-demand"] = references["mixtral"]

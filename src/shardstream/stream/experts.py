@@ -33,6 +33,7 @@ its bytes and no CPU. Guesses use only the room the reads already have, so the m
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 from collections import deque
 from collections.abc import Callable
@@ -58,6 +59,8 @@ from .expert_cache import ExpertCache
 from .linear import weight_linear
 from .loader import BlockLoader
 from .weights import WeightMapper
+
+log = logging.getLogger("shardstream.stream")
 
 GATE, UP, DOWN = "gate", "up", "down"
 # An expert's weight keeps half its score after this many passes of its block without a routing to it
@@ -286,6 +289,26 @@ class OnDemandExperts:
         self.read_ahead = memory >= self.reading_bytes(ahead=True) + self.expert_bytes
         self.cache.shrink(max(0, memory - self.reading_bytes(self.read_ahead)))
 
+    def preload(self) -> int:
+        """Read every expert into the cache now, where the budget holds them all (a model whose experts fit in
+        memory: llama.cpp's mapping reads its whole model at load likewise), so that no pass waits on a read or
+        on a guess; each is checked against its checksum as it lands, read past the page cache (the experts
+        held are the copy). The experts read (0 where they do not all fit, or come over HTTP: the cache then
+        keeps what the routings bring back)."""
+        keys = [(layer, expert) for layer, block in self._blocks.items() for expert in range(block.count)]
+        if not keys or self.store.remote or len(keys) * self.expert_bytes > self.budget:
+            return 0
+
+        def read(key: tuple[int, int]) -> _Loaded:
+            return self._checked(key[0], self._fill(*key, None, drop=True))
+
+        for (layer, expert), loaded in zip(keys, self._executor().map(read, keys)):
+            if not self.cache.offer(layer, expert, loaded, loaded.nbytes):
+                self._free(loaded)
+        log.info("experts: all %d read into memory at load, %.2f GB (they fit the experts' budget)", len(keys),
+                 self.cache.held_bytes / 1e9)
+        return len(keys)
+
     def report(self) -> dict:
         """What the experts read and what the cache saved so far (serve's /health shows it)."""
         stats, guesses = self.cache.stats, self.guesses
@@ -437,14 +460,15 @@ class OnDemandExperts:
         """Whether this read of `placed` is checked against its checksum: its first in this process."""
         return self._verify and placed.record.key not in self._verified
 
-    def _fill(self, layer: int, expert: int, stop: Stoppable | None) -> _Filled:
-        """An expert's bytes read into a reused buffer (past the page cache when `drop_pages`; `stop`: a guess's
-        read: Expert.fill), not checked yet: a guess is checked only once its block routes to it."""
+    def _fill(self, layer: int, expert: int, stop: Stoppable | None, drop: bool | None = None) -> _Filled:
+        """An expert's bytes read into a reused buffer (past the page cache when `drop`, by default
+        `drop_pages`; `stop`: a guess's read: Expert.fill), not checked yet: a guess is checked only once its
+        block routes to it."""
         placed = load_expert(self.store, layer, self._first + expert)
         buffer = self._buffers.take(self._file_bytes)
         try:
-            return _Filled(placed, buffer, *placed.fill(buffer, drop=self.drop_pages, stop=stop,
-                                                        verify=self._verifies(placed)))
+            return _Filled(placed, buffer, *placed.fill(buffer, drop=self.drop_pages if drop is None else drop,
+                                                        stop=stop, verify=self._verifies(placed)))
         except BaseException:
             self._give(buffer)
             raise

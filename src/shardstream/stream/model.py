@@ -165,9 +165,11 @@ class StreamingModel(TransformersHabits, WrapsModel):
         self.stream_working_set = working_set(self.pieces, in_flight)
         if self.experts:
             self.experts.drop_pages = self.experts.count * self.experts.expert_bytes > available_memory()[0]
-            self.experts.fit(options.expert_budget(self.device, self.stream_working_set),
-                             auto=options.max_expert_memory == "auto")
+            auto = options.max_expert_memory == "auto"
+            self.experts.fit(options.expert_budget(self.device, self.stream_working_set), auto=auto)
             self.experts.guessing = options.prefetching
+            if auto:   # where they all fit, read at load (experts.preload)
+                self.experts.preload()
         self._check_room()
         self.forward_passes = 0  # passes over the blocks (weight reads) in the last call: speculation's yardstick
         self._hooks = []
