@@ -60,7 +60,8 @@ class AutoModel:
         docs/SHARDING.md); the store's experts must have been placed with `place_experts`.
         `max_expert_memory` (with experts="on_demand"): bytes of experts kept in memory between passes, those
         routed to often and lately ('auto': 3/4 of the memory left once the model is placed, their reading
-        included); a pass reads the routed experts not kept, one at a time.
+        included, and where that holds every expert all are read at load); a pass reads the routed experts
+        not kept, one at a time.
         `piece_bytes`: the most bytes of a streamed block's big modules in memory at once (pieces.py;
         default 64 MiB; a batch engine's model passes 16 MiB, leaving memory to its KV caches).
         `max_host_memory` (device="cuda" only): bytes of the streamed blocks kept page-locked in host RAM
