@@ -111,7 +111,9 @@ def test_the_blocksize_and_the_method_are_checked():
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features", [(40, 96), (67, 32), (13, 256), (1, 50), (129, 2048)])
+# (1043, 64): enough groups of 16 columns that a decode step's share of them on a thread is read as several
+# streams side by side (int4_linear.cpp's `product`), and 3 columns past the last group
+@pytest.mark.parametrize("out_features,in_features", [(40, 96), (67, 32), (13, 256), (1, 50), (129, 2048), (1043, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 512])
 def test_the_kernel_does_its_exact_math_and_a_row_keeps_its_bits_in_any_batch(out_features, in_features, rows):
     weight = quant.quantize(randn(out_features, in_features), "int4")
@@ -177,7 +179,7 @@ from shardstream.stream import int4_linear
 print(int4_linear.build(), int4_linear.available())
 torch.manual_seed(0)
 got = []
-for out_features, in_features in [(40, 96), (67, 32), (35, 50)]:
+for out_features, in_features in [(40, 96), (67, 32), (35, 50), (1043, 64)]:
     weight = quant.quantize(torch.randn(out_features, in_features) * 0.05, "int4")
     for rows in (1, 2, 3, 5, 64):
         got.append(int4_linear.linear(torch.randn(rows, in_features), weight, None))

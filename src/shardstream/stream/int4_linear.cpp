@@ -10,9 +10,9 @@
 //
 // Builds (int4_linear.py picks the flags): AVX-512 with VNNI (a vector is a group's 16 columns; vpdpbusd
 // sums four byte products a lane), AVX2 with AVX-VNNI (8 columns, the 256-bit vpdpbusd) or AVX2 alone (8
-// columns, vpmaddubsw then vpmaddwd). Work is split over threads by tiles of columns (a decode step's few
-// rows over work_pool.h's, more over torch's); each tile walks every row, R rows at a time, so the tile's codes
-// are read from memory once and from cache after.
+// columns, vpmaddubsw then vpmaddwd). Work is split over threads by vectors of columns (a decode step's few
+// rows over work_pool.h's, more over torch's), multiplied a tile of C vectors at a time (`product`); each tile
+// walks every row, R rows at a time, so the tile's codes are read from memory once and from cache after.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -278,9 +278,11 @@ inline void block_sums(const Activations& a, int64_t m0, int64_t b, const Source
 #endif
 }
 
-// Rows m0..m0+R-1 against the C vectors of columns whose codes and scales are `codes` and `scales`.
+// Rows m0..m0+R-1 against the C vectors of columns whose codes and scales are `codes` and `scales`, their outputs
+// `gap` vectors apart in y.
 template <int R, int C, class Source>
-void tile(const Activations& a, int64_t m0, const Source& codes, const uint16_t* const* scales, float* y, int64_t ys) {
+void tile(const Activations& a, int64_t m0, const Source& codes, const uint16_t* const* scales, float* y, int64_t ys,
+          int64_t gap) {
   Flt acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = fzero();
@@ -295,66 +297,69 @@ void tile(const Activations& a, int64_t m0, const Source& codes, const uint16_t*
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) fstore(y + (m0 + r) * ys + c * kLanes, acc[r][c]);
+    for (int c = 0; c < C; ++c) fstore(y + (m0 + r) * ys + c * gap * kLanes, acc[r][c]);
 }
 
 // All M rows against C vectors of columns, in tiles of R rows, then the last M % R rows.
 template <int R, int C, class Source>
 void all_rows(const Activations& a, int64_t M, const Source& codes, const uint16_t* const* scales, float* y,
-              int64_t ys) {
+              int64_t ys, int64_t gap) {
   int64_t m = 0;
-  for (; m + R <= M; m += R) tile<R, C>(a, m, codes, scales, y, ys);
+  for (; m + R <= M; m += R) tile<R, C>(a, m, codes, scales, y, ys, gap);
   switch (M - m) {
-    case 1: tile<1, C>(a, m, codes, scales, y, ys); break;
-    case 2: if constexpr (R > 2) tile<2, C>(a, m, codes, scales, y, ys); break;
-    case 3: if constexpr (R > 3) tile<3, C>(a, m, codes, scales, y, ys); break;
+    case 1: tile<1, C>(a, m, codes, scales, y, ys, gap); break;
+    case 2: if constexpr (R > 2) tile<2, C>(a, m, codes, scales, y, ys, gap); break;
+    case 3: if constexpr (R > 3) tile<3, C>(a, m, codes, scales, y, ys, gap); break;
     default: break;
   }
 }
 
-// All M rows against the C vectors of columns from vector j on; from kSplitRows rows on, their codes split
-// into `split` first (a buffer of the thread's, reused).
+// All M rows against C vectors of columns, vectors j, j + gap, j + 2 * gap, ...; from kSplitRows rows on, their
+// codes split into `split` first (a buffer of the thread's, reused).
 template <int R, int C>
-void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, float* y, int64_t ys,
+void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, int64_t gap, float* y, int64_t ys,
              std::vector<Int>& split) {
   Packed<C> packed;
   const uint16_t* scales[C];
   for (int c = 0; c < C; ++c) {
-    packed.codes[c] = w.codes_of(j + c);
-    scales[c] = w.scales_of(j + c);
+    packed.codes[c] = w.codes_of(j + c * gap);
+    scales[c] = w.scales_of(j + c * gap);
   }
-  if (M < kSplitRows) return all_rows<R, C>(a, M, packed, scales, y + j * kLanes, ys);
+  if (M < kSplitRows) return all_rows<R, C>(a, M, packed, scales, y + j * kLanes, ys, gap);
   split.resize(C * a.B * 8);
   for (int c = 0; c < C; ++c)
     for (int64_t b = 0; b < a.B; ++b)
       for (int chunk = 0; chunk < 4; ++chunk) packed.get(c, b, chunk, split[((c * a.B + b) * 4 + chunk) * 2],
                                                       split[((c * a.B + b) * 4 + chunk) * 2 + 1]);
-  all_rows<R, C>(a, M, Split{reinterpret_cast<const uint8_t*>(split.data()), a.B}, scales, y + j * kLanes, ys);
+  all_rows<R, C>(a, M, Split{reinterpret_cast<const uint8_t*>(split.data()), a.B}, scales, y + j * kLanes, ys, gap);
 }
 
-// Every full group's columns in tiles of C vectors (the last tile's remaining vectors one at a time), and the
-// last N % 16 columns from a copy widened to a group, over work_pool.h's threads for the narrow tile's few
-// rows, else torch's.
+// Every full group's vectors, and the last N % 16 columns from a copy widened to a group (`rest`), over
+// work_pool.h's threads for the narrow tile's few rows (a decode step's), else torch's. Each thread's share of
+// vectors is multiplied C vectors a tile: for a decode step, vector i of each of the share's C equal parts side
+// by side, so that each part is read from start to end as one stream, long enough for the prefetchers (as
+// quant_linear.cpp's one_row reads a 16-bit weight); for more rows, C adjacent vectors.
 template <int R, int C>
 void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const Weights& rest, float* y, int64_t ys) {
-  const int64_t vectors = N / kGroup * kPerGroup;
-  const int64_t tiles = vectors / C, singles = vectors % C, tail = N % kGroup;
-  const auto span = [&](int64_t begin, int64_t end) {
+  const int64_t vectors = N / kGroup * kPerGroup, tail = N % kGroup;
+  const bool streams = M <= kNarrowRows;
+  const auto share = [&](int64_t begin, int64_t end) {   // vectors [begin, end); past them, the last columns
     std::vector<Int> split;
-    for (int64_t t = begin; t < end; ++t) {
-      if (t < tiles) {
-        columns<R, C>(a, M, w, t * C, y, ys, split);
-      } else if (t < tiles + singles) {
-        columns<R, 1>(a, M, w, tiles * C + (t - tiles), y, ys, split);
-      } else {
-        std::vector<float> out(M * kGroup);
-        for (int64_t j = 0; j < kPerGroup; ++j) columns<R, 1>(a, M, rest, j, out.data(), kGroup, split);
-        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ys + N / kGroup * kGroup, out.data() + m * kGroup, tail * sizeof(float));
-      }
+    const int64_t last = std::min(end, vectors), tiles = std::max<int64_t>(0, last - begin) / C;
+    for (int64_t i = 0; i < tiles; ++i) {
+      if (streams) columns<R, C>(a, M, w, begin + i, tiles, y, ys, split);
+      else columns<R, C>(a, M, w, begin + i * C, 1, y, ys, split);
+    }
+    for (int64_t v = begin + tiles * C; v < last; ++v) columns<R, 1>(a, M, w, v, 1, y, ys, split);
+    if (end > vectors) {
+      std::vector<float> out(M * kGroup);
+      for (int64_t j = 0; j < kPerGroup; ++j) columns<R, 1>(a, M, rest, j, 1, out.data(), kGroup, split);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ys + N / kGroup * kGroup, out.data() + m * kGroup, tail * sizeof(float));
     }
   };
-  if (M <= kNarrowRows) work_pool::parallel_for(0, tiles + singles + (tail ? 1 : 0), span);   // a decode step's
-  else at::parallel_for(0, tiles + singles + (tail ? 1 : 0), 1, span);
+  const int64_t items = vectors + (tail ? 1 : 0);
+  if (streams) work_pool::parallel_for(0, items, share);
+  else at::parallel_for(0, items, C, share);
 }
 
 }  // namespace
@@ -400,8 +405,8 @@ extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K
       const int64_t i = t / items, item = t % items;
       const Activations& a = rows[row_of[i]];
       const Weights w{codes[i], scales[i], a.P, a.B};
-      if (item < tiles) columns<kNarrowRows, kNarrowColumns>(a, 1, w, item * kNarrowColumns, y + i * N, N, split);
-      else columns<kNarrowRows, 1>(a, 1, w, tiles * kNarrowColumns + (item - tiles), y + i * N, N, split);
+      if (item < tiles) columns<kNarrowRows, kNarrowColumns>(a, 1, w, item * kNarrowColumns, 1, y + i * N, N, split);
+      else columns<kNarrowRows, 1>(a, 1, w, tiles * kNarrowColumns + (item - tiles), 1, y + i * N, N, split);
     }
   });
 }
