@@ -135,7 +135,8 @@ def test_the_kernel_does_its_exact_math_and_a_row_keeps_its_bits_in_any_batch(ou
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features", [(16, 2048), (112, 50), (48, 96)])
+# (768, 64): enough groups that a thread's share of them is read as several streams side by side (`share`)
+@pytest.mark.parametrize("out_features,in_features", [(16, 2048), (112, 50), (48, 96), (768, 64)])
 @pytest.mark.parametrize("shared", [True, False], ids=["one-row", "a-row-each"])
 def test_rows_gives_each_product_the_bits_of_linear(out_features, in_features, shared):
     """Several one-row products in one call (an MoE block's routed experts), whether they share x's one row or

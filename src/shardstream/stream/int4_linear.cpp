@@ -334,23 +334,29 @@ void columns(const Activations& a, int64_t M, const Weights& w, int64_t j, int64
   all_rows<R, C>(a, M, Split{reinterpret_cast<const uint8_t*>(split.data()), a.B}, scales, y + j * kLanes, ys, gap);
 }
 
-// Every full group's vectors, and the last N % 16 columns from a copy widened to a group (`rest`), over
-// work_pool.h's threads for the narrow tile's few rows (a decode step's), else torch's. Each thread's share of
-// vectors is multiplied C vectors a tile: for a decode step, vector i of each of the share's C equal parts side
-// by side, so that each part is read from start to end as one stream, long enough for the prefetchers (as
-// quant_linear.cpp's one_row reads a 16-bit weight); for more rows, C adjacent vectors.
+// Vectors [begin, end) of one weight, C a tile: for a decode step (`streams`), vector i of each of the range's C
+// equal parts side by side, so that each part is read from start to end as one stream, long enough for the
+// prefetchers (as quant_linear.cpp's one_row reads a 16-bit weight); else C adjacent vectors.
+template <int R, int C>
+void share(const Activations& a, int64_t M, const Weights& w, int64_t begin, int64_t end, bool streams, float* y,
+           int64_t ys, std::vector<Int>& split) {
+  const int64_t tiles = std::max<int64_t>(0, end - begin) / C;
+  for (int64_t i = 0; i < tiles; ++i) {
+    if (streams) columns<R, C>(a, M, w, begin + i, tiles, y, ys, split);
+    else columns<R, C>(a, M, w, begin + i * C, 1, y, ys, split);
+  }
+  for (int64_t v = begin + tiles * C; v < end; ++v) columns<R, 1>(a, M, w, v, 1, y, ys, split);
+}
+
+// Every full group's vectors (`share`s of them), and the last N % 16 columns from a copy widened to a group
+// (`rest`), over work_pool.h's threads for the narrow tile's few rows (a decode step's), else torch's.
 template <int R, int C>
 void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const Weights& rest, float* y, int64_t ys) {
   const int64_t vectors = N / kGroup * kPerGroup, tail = N % kGroup;
   const bool streams = M <= kNarrowRows;
-  const auto share = [&](int64_t begin, int64_t end) {   // vectors [begin, end); past them, the last columns
+  const auto shares = [&](int64_t begin, int64_t end) {   // vectors [begin, end); past them, the last columns
     std::vector<Int> split;
-    const int64_t last = std::min(end, vectors), tiles = std::max<int64_t>(0, last - begin) / C;
-    for (int64_t i = 0; i < tiles; ++i) {
-      if (streams) columns<R, C>(a, M, w, begin + i, tiles, y, ys, split);
-      else columns<R, C>(a, M, w, begin + i * C, 1, y, ys, split);
-    }
-    for (int64_t v = begin + tiles * C; v < last; ++v) columns<R, 1>(a, M, w, v, 1, y, ys, split);
+    share<R, C>(a, M, w, begin, std::min(end, vectors), streams, y, ys, split);
     if (end > vectors) {
       std::vector<float> out(M * kGroup);
       for (int64_t j = 0; j < kPerGroup; ++j) columns<R, 1>(a, M, rest, j, 1, out.data(), kGroup, split);
@@ -358,8 +364,8 @@ void product(const Activations& a, int64_t M, const Weights& w, int64_t N, const
     }
   };
   const int64_t items = vectors + (tail ? 1 : 0);
-  if (streams) work_pool::parallel_for(0, items, share);
-  else at::parallel_for(0, items, C, share);
+  if (streams) work_pool::parallel_for(0, items, shares);
+  else at::parallel_for(0, items, C, shares);
 }
 
 }  // namespace
@@ -386,8 +392,9 @@ extern "C" void int4_linear(const float* x, int64_t M, int64_t K, int64_t xs, co
 }
 
 // `count` one-row products, y_i = x_i @ W_iᵀ (the rows of y, N floats apart), every W_i N x K with N a multiple
-// of 16: their column tiles split over work_pool.h's threads at once, so that a token's few small matrices (an
-// MoE block's routed experts) cost one split and wait, not one each. Each distinct x_i (a pointer repeated in a row
+// of 16: their vectors of columns split over work_pool.h's threads at once (each part read as `share` reads a
+// decode step's), so that a token's few small matrices (an MoE block's routed experts) cost one split and wait,
+// not one each. Each distinct x_i (a pointer repeated in a row
 // counts once) is quantized once. Every output is the same sum as int4_linear's.
 extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K, const uint8_t* const* codes,
                                  const uint16_t* const* scales, int64_t N, float* y) {
@@ -398,15 +405,14 @@ extern "C" void int4_linear_rows(int64_t count, const float* const* x, int64_t K
     row_of[i] = static_cast<int64_t>(rows.size()) - 1;
   }
   const int64_t vectors = N / kGroup * kPerGroup;
-  const int64_t tiles = vectors / kNarrowColumns, items = tiles + vectors % kNarrowColumns;
-  work_pool::parallel_for(0, count * items, [&](int64_t begin, int64_t end) {
+  work_pool::parallel_for(0, count * vectors, [&](int64_t begin, int64_t end) {
     std::vector<Int> split;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / items, item = t % items;
+    for (int64_t at = begin; at < end;) {   // each product's part of the share as product() reads a share
+      const int64_t i = at / vectors, first = at % vectors, last = std::min(vectors, first + end - at);
       const Activations& a = rows[row_of[i]];
-      const Weights w{codes[i], scales[i], a.P, a.B};
-      if (item < tiles) columns<kNarrowRows, kNarrowColumns>(a, 1, w, item * kNarrowColumns, 1, y + i * N, N, split);
-      else columns<kNarrowRows, 1>(a, 1, w, tiles * kNarrowColumns + (item - tiles), 1, y + i * N, N, split);
+      share<kNarrowRows, kNarrowColumns>(a, 1, Weights{codes[i], scales[i], a.P, a.B}, first, last, true, y + i * N,
+                                         N, split);
+      at += last - first;
     }
   });
 }
