@@ -127,6 +127,8 @@ SIZE = "a size such as 500MB, 2GB or 2GiB, or auto"
     ("generate", "--batch-size", "0", "a whole number of at least 1, not 0"),
     ("generate", "--max-resident-memory", "lots", f"{SIZE}, not 'lots'"),
     ("generate", "--max-host-memory", "-5", f"{SIZE}, not '-5'"),
+    ("generate", "--max-expert-memory", "most", f"{SIZE}, not 'most'"),
+    ("serve", "--max-expert-memory", "-1MB", f"{SIZE}, not '-1MB'"),
     ("generate", "--device", "tpu", "cpu, cuda or cuda:N, not 'tpu'"),
     ("generate", "--compute-dtype", "int8", "one of auto, float32, bfloat16, float16, not 'int8'"),
     ("generate", "--experts", "whatever", "one of with-block, on-demand, not 'whatever'"),
@@ -176,3 +178,13 @@ def test_a_url_that_is_no_url_is_refused_before_anything_starts(tmp_path, comman
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"error: {option} must name http(s)://HOST:PORT URLs, and {bad!r} is not one. "
                              f"(see `shardstream {command} -h`)\n")
+
+
+def test_max_expert_memory_reaches_the_engine():
+    """`--max-expert-memory` becomes the engine's `max_expert_memory` (0: every routed expert read on every pass)."""
+    from shardstream.front.cli import command_options
+    from shardstream.options import EngineFlags
+
+    assert command_options(EngineFlags(experts="on-demand", max_expert_memory="0")).max_expert_memory == 0
+    assert command_options(EngineFlags(experts="on-demand", max_expert_memory="1MiB")).max_expert_memory == 1 << 20
+    assert command_options(EngineFlags(experts="on-demand")).max_expert_memory == "auto"

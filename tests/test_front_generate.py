@@ -107,6 +107,7 @@ def test_generate_command_with_a_draft_prints_the_same_text_and_tokens_per_pass(
     ({"prompt": PROMPT, "draft": "d", "draft_tokens": 0}, "--draft-tokens must be at least 1"),
     ({"prompt": PROMPT, "max_host_memory": "1GB"}, "--max-host-memory applies only with --device cuda"),
     ({"prompt": PROMPT, "max_host_memory": "lots"}, "--max-host-memory"),
+    ({"prompt": PROMPT, "max_expert_memory": "1GB"}, "--max-expert-memory applies only with --experts on-demand"),
 ])
 def test_generate_command_refuses_conflicting_options(tiny, options, words):
     store, _, _ = tiny

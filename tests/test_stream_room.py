@@ -125,6 +125,10 @@ def test_experts_on_demand_from_the_command_line_reads_routed_experts(tmp_path, 
     warm_python.run([SHARDSTREAM, "shard", str(store), "--experts"], check=True, capture_output=True, timeout=240)
     generate_command(str(store), prompt="hello", max_new_tokens=4, no_progress=True, experts="on-demand")
     assert capsys.readouterr().out == plain
+    for held in ("0", "64KB"):   # every routed expert read on every pass; a few kept
+        generate_command(str(store), prompt="hello", max_new_tokens=4, no_progress=True, experts="on-demand",
+                         max_expert_memory=held)
+        assert capsys.readouterr().out == plain
 
     (tmp_path / "prompts.txt").write_text("hello\nthe cat sat\nhello\n")
     batches = {}

@@ -212,6 +212,11 @@ class EngineFlags:
         help="MoE experts: with-block (read with their block) or on-demand (only those the router picks; the "
              "store's experts placed apart first: `shardstream shard STORE --experts`).",
         callback=one_of(list(EXPERT_OPTIONS)))] = "with-block"
+    max_expert_memory: Annotated[str, typer.Option(
+        help="With --experts on-demand: bytes of experts kept in memory between passes: auto (3/4 of the memory "
+             "left; where that holds every expert, all are read at load), 0 (read every routed expert on every "
+             "pass) or a size like 1GB (read as routed, the most used kept).",
+        callback=size(auto=True))] = "auto"
     profile: Annotated[bool, typer.Option(
         "--profile", help="Print per-block read/wait/compute times and tokens per target pass.")] = False
 

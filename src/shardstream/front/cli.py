@@ -65,8 +65,11 @@ def command_options(flags: EngineFlags, batch_size: int = 1) -> EngineOptions:
     host = _size_or_auto(flags.max_host_memory, "--max-host-memory")
     if host not in ("auto", 0) and not flags.device.startswith("cuda"):
         raise InvalidOption("--max-host-memory applies only with --device cuda; leave it out.")
+    held = _size_or_auto(flags.max_expert_memory, "--max-expert-memory")
+    if held != "auto" and flags.experts != "on-demand":
+        raise InvalidOption("--max-expert-memory applies only with --experts on-demand; leave it out.")
     options = EngineOptions(compute_dtype=flags.compute_dtype, max_resident_memory=budget, max_host_memory=host,
-                            experts=EXPERT_OPTIONS[flags.experts], profiling_mode=flags.profile)
+                            experts=EXPERT_OPTIONS[flags.experts], max_expert_memory=held, profiling_mode=flags.profile)
     return options.for_batch(batch_size, flags.device)
 
 
